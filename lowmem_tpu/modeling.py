@@ -1,0 +1,150 @@
+"""Base model and tokenizer: Hub ids, local directories and the shipped tiny Llama."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from lowmem_tpu.errors import UserError
+from lowmem_tpu.recipe import BUILTIN, ModelSection, Recipe, resolve_builtin
+
+CONFIGS = Path(__file__).parent / "configs"
+
+
+def resolve_source(name_or_path: str) -> str:
+    """A ``builtin:`` name becomes its packaged directory; anything else is returned as is."""
+    return str(resolve_builtin(name_or_path)) if name_or_path.startswith(BUILTIN) else name_or_path
+
+
+def shipped_config_path(name_or_path: str) -> Path | None:
+    """A config this project ships for a known Hub model (so nothing has to be downloaded)."""
+    path = CONFIGS / (name_or_path.replace("/", "__") + ".json")
+    return path if path.exists() else None
+
+
+def load_config(cfg: ModelSection, offline: bool = False) -> Any:
+    """The model's config: local or built-in directory, shipped copy, or the Hub.
+
+    With ``offline`` only local files are read and ``None`` is returned when none exist.
+    """
+    from transformers import AutoConfig
+
+    source = resolve_source(cfg.name_or_path)
+    if Path(source).expanduser().is_dir():
+        return AutoConfig.from_pretrained(Path(source).expanduser())
+    shipped = shipped_config_path(source)
+    if offline or (cfg.random_init and shipped):
+        if shipped:
+            return AutoConfig.from_pretrained(shipped)
+        try:
+            return AutoConfig.from_pretrained(source, revision=cfg.revision, local_files_only=True)
+        except OSError:
+            return None
+    try:
+        return AutoConfig.from_pretrained(source, revision=cfg.revision)
+    except OSError as err:
+        raise UserError(f"model.name_or_path: cannot load the config of {source!r}: {err}") from None
+
+
+def meta_model(config: Any) -> Any:
+    """The model's module tree with no memory behind it (for checks and planning)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def check_model(recipe: Recipe) -> str:
+    """Deep recipe checks that need the architecture but no weights; returns a one-line summary."""
+    config = load_config(recipe.model, offline=True)
+    if config is None:
+        return f"{recipe.model.name_or_path}: config not available offline, layer class not checked"
+    from lowmem_tpu.sharding import layer_class
+
+    model = meta_model(config)
+    layer = layer_class(model, recipe.sharding.layer_class)
+    params = sum(p.numel() for p in model.parameters())
+    count = sum(isinstance(m, layer) for m in model.modules())
+    return f"{type(model).__name__}, {params / 1e9:.2f} B parameters, {count} x {layer.__name__}"
+
+
+def load_tokenizer(cfg: ModelSection) -> Any:
+    """The tokenizer, with a pad token that is not needed to mark the end of text.
+
+    Padding is masked by position in ``data``, so even a pad equal to EOS leaves the
+    EOS a trained label; we still prefer a distinct token (``model.pad_token``, else unk).
+    """
+    from transformers import AutoTokenizer
+
+    source = resolve_source(cfg.tokenizer or cfg.name_or_path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, use_fast=cfg.use_fast_tokenizer, revision=cfg.revision)
+    except (OSError, ValueError) as err:
+        raise UserError(f"model.tokenizer: cannot load a tokenizer from {source!r}: {err}") from None
+    if tokenizer.pad_token is None or cfg.pad_token:
+        choice = cfg.pad_token or tokenizer.unk_token or tokenizer.eos_token
+        if choice is None or choice not in tokenizer.get_vocab():
+            raise UserError(f"model.pad_token: {choice!r} is not a token of this tokenizer; name one it has")
+        tokenizer.pad_token = choice
+    tokenizer.padding_side = "right"
+    return tokenizer
+
+
+def torch_dtype(name: str) -> Any:
+    import torch
+
+    return {"bfloat16": torch.bfloat16, "float32": torch.float32}[name]
+
+
+def load_model(cfg: ModelSection, seed: int) -> Any:
+    """The base causal LM on the host, in the recipe's dtype (random weights if asked)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    dtype = torch_dtype(cfg.dtype)
+    if cfg.random_init:
+        config = load_config(cfg)
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=cfg.attn_implementation)
+    else:
+        source = resolve_source(cfg.name_or_path)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                source, revision=cfg.revision, dtype=dtype, attn_implementation=cfg.attn_implementation
+            )
+        except OSError as err:
+            raise UserError(
+                f"model.name_or_path: cannot load weights from {source!r} ({err}); "
+                "give a local directory, a reachable Hub id, or set model.random_init: true"
+            ) from None
+    model.config.use_cache = False
+    return model
+
+
+def apply_lora(model: Any, recipe: Recipe) -> Any:
+    """Wrap the base in PEFT LoRA adapters (the base is frozen), or leave every weight trainable."""
+    if not recipe.lora.enabled:
+        model.requires_grad_(True)
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    lora = recipe.lora
+    config = LoraConfig(
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=lora.target_modules,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    try:
+        return get_peft_model(model, config)
+    except ValueError as err:
+        raise UserError(f"lora.target_modules: {err}") from None
+
+
+def count_parameters(model: Any) -> tuple[int, int]:
+    """(trainable, total) parameter counts."""
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return trainable, sum(p.numel() for p in model.parameters())

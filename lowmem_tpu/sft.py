@@ -1,0 +1,260 @@
+"""``lowmem-tpu sft``: one recipe in, one ``output_dir/final`` out.
+
+recipe -> runtime -> tokenizer + data -> base model -> LoRA / full -> sharded model
+-> XlaSFTTrainer -> adapter or full model, tokenizer, recipe.yaml, metrics.json
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from lowmem_tpu.errors import UserError
+from lowmem_tpu.recipe import Recipe
+
+
+def micro_batch_size(recipe: Recipe, num_devices: int) -> int:
+    """Samples per forward pass over all devices; must split evenly over them."""
+    t = recipe.train
+    micro = t.global_batch_size // t.gradient_accumulation_steps
+    if micro % num_devices:
+        raise UserError(
+            f"train.global_batch_size: {t.global_batch_size} / {t.gradient_accumulation_steps} accumulation steps "
+            f"= {micro} per step does not split over {num_devices} devices; use a multiple of "
+            f"{num_devices * t.gradient_accumulation_steps}"
+        )
+    return micro
+
+
+def prepare_output(recipe: Recipe, overwrite: bool) -> Path:
+    out = Path(recipe.output_dir)
+    final = out / "final"
+    if final.exists() and any(final.iterdir()) and not overwrite:
+        raise UserError(
+            f"output_dir: {final} already holds a finished run; choose another output_dir=... "
+            "or pass --overwrite to replace it"
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def run_sft(recipe: Recipe, overwrite: bool = False) -> dict[str, Any]:
+    """Train as the recipe says and write ``output_dir/final``; returns the metrics written."""
+    from lowmem_tpu.runtime import configure_environment
+
+    started = time.perf_counter()
+    out = prepare_output(recipe, overwrite)
+    configure_environment(recipe.runtime)  # before transformers imports torch_xla
+
+    from lowmem_tpu import data, modeling
+    from lowmem_tpu.console import say
+
+    say("loading tokenizer and data")
+    tokenizer = modeling.load_tokenizer(recipe.model)
+    train_ds, data_stats = data.build_dataset(recipe.data, tokenizer)
+    eval_ds = prompts = None
+    if recipe.data.eval_path:
+        eval_ds, _ = data.build_dataset(
+            recipe.data, tokenizer, path=recipe.data.eval_path, split=recipe.data.eval_split or recipe.data.split
+        )
+        if recipe.train.eval_samples:
+            prompts = data.exact_match_prompts(recipe.data, tokenizer, recipe.data.eval_path, recipe.train.eval_samples)
+    say(f"data: {data_stats['rows']} rows of {recipe.data.max_length} tokens ({data_stats})")
+
+    from lowmem_tpu.runtime import setup_runtime
+
+    runtime = setup_runtime(recipe.runtime)
+    micro = micro_batch_size(recipe, runtime.num_devices)
+    say(f"runtime: {runtime.describe()}, micro-batch {micro}")
+    job = _build(recipe, runtime, tokenizer, train_ds, eval_ds, micro, out)
+
+    before = _evaluate(job, prompts, "before training")
+    say(f"training {recipe.train.max_steps} steps")
+    train_started = time.perf_counter()
+    result = job["trainer"].train()
+    train_seconds = time.perf_counter() - train_started
+    after = _evaluate(job, prompts, "after training")
+
+    metrics = _metrics(recipe, runtime, job, data_stats, before, after, result, train_seconds)
+    final = _save(recipe, job, tokenizer, out, metrics)
+    metrics["time"]["total_seconds"] = round(time.perf_counter() - started, 1)
+    from lowmem_tpu.export import write_json
+
+    write_json(final / "metrics.json", metrics)
+    _summary(recipe, metrics, final)
+    return metrics
+
+
+def _build(recipe: Recipe, runtime, tokenizer, train_ds, eval_ds, micro: int, out: Path) -> dict[str, Any]:
+    from lowmem_tpu import modeling
+    from lowmem_tpu.console import ProgressCallback, say
+    from lowmem_tpu.export import ParamNames
+    from lowmem_tpu.sharding import place_parameters
+    from lowmem_tpu.trainer import MetricsCallback, XlaSFTTrainer, training_args
+
+    init = ", random init" if recipe.model.random_init else ""
+    say(f"loading {recipe.model.name_or_path} ({recipe.model.dtype}{init})")
+    model = modeling.load_model(recipe.model, recipe.train.seed)
+    base = _base_reference(recipe, model, tokenizer, out)
+    model = modeling.apply_lora(model, recipe)
+    trainable, total = modeling.count_parameters(model)
+    what = "LoRA" if recipe.lora.enabled else "full fine-tuning"
+    say(f"{what}: {trainable:,} trainable of {total:,} parameters ({100 * trainable / total:.2f}%)")
+    place_parameters(model, runtime, recipe.sharding.strategy)
+    names = ParamNames(model)
+    metrics_cb = MetricsCallback()
+    trainer = XlaSFTTrainer(
+        recipe=recipe,
+        runtime=runtime,
+        model=model,
+        args=training_args(recipe, micro),
+        train_dataset=train_ds,
+        eval_dataset=eval_ds,
+        processing_class=tokenizer,
+        callbacks=[metrics_cb, ProgressCallback()],
+    )
+    return {
+        "model": model,
+        "names": names,
+        "trainer": trainer,
+        "metrics_cb": metrics_cb,
+        "base": base,
+        "params": (trainable, total),
+        "micro": micro,
+        "runtime": runtime,
+        "tokenizer": tokenizer,
+    }
+
+
+def _base_reference(recipe: Recipe, model, tokenizer, out: Path) -> str:
+    """Where the adapter's base lives; a random-init base is saved so the adapter can be reloaded."""
+    from lowmem_tpu.modeling import resolve_source
+
+    if not recipe.model.random_init:
+        source = resolve_source(recipe.model.name_or_path)
+        return str(Path(source).expanduser().resolve()) if Path(source).expanduser().exists() else source
+    base = out / "base"
+    if recipe.lora.enabled:
+        model.save_pretrained(base)
+        tokenizer.save_pretrained(base)
+    return str(base.resolve())
+
+
+def _evaluate(job: dict[str, Any], prompts, label: str) -> dict[str, Any]:
+    from lowmem_tpu.console import say
+    from lowmem_tpu.evaluation import greedy_exact_match
+    from lowmem_tpu.runtime import sync
+
+    trainer, recipe = job["trainer"], job["trainer"].recipe
+    result: dict[str, Any] = {}
+    if trainer.eval_dataset is not None:
+        scores = trainer.evaluate()
+        result["loss"] = scores.get("eval_loss")
+        result["token_accuracy"] = scores.get("eval_token_accuracy")
+    if prompts:
+        em = greedy_exact_match(
+            trainer.fsdp_model,
+            job["tokenizer"],
+            prompts,
+            length=recipe.data.max_length,
+            max_new_tokens=recipe.train.max_new_tokens,
+            batch_size=job["micro"],
+            device=job["runtime"].device,
+            sync=sync,
+        )
+        result |= {"exact_match": em.accuracy, "exact_match_total": em.total, "examples": em.examples}
+    if result:
+        shown = ", ".join(f"{k} {v:.4f}" for k, v in result.items() if isinstance(v, float))
+        say(f"eval {label}: {shown}")
+    return result
+
+
+def _metrics(recipe, runtime, job, data_stats, before, after, result, train_seconds) -> dict[str, Any]:
+    from lowmem_tpu.runtime import compile_count, counter
+
+    cb = job["metrics_cb"]
+    steps = recipe.train.max_steps
+    warmup = cb.warmup_end(steps)
+    by_step = cb.compiles_by_step
+    logs = [entry for entry in cb.logs if "loss" in entry]
+    steady = [entry for entry in logs if entry["step"] > warmup and "tokens_per_second" in entry]
+    mean = lambda key: sum(e[key] for e in steady) / len(steady) if steady else None  # noqa: E731
+    trainable, total = job["params"]
+    return {
+        "platform": runtime.platform,
+        "num_devices": runtime.num_devices,
+        "mode": "lora" if recipe.lora.enabled else "full",
+        "trainable_parameters": trainable,
+        "total_parameters": total,
+        "steps": steps,
+        "global_batch_size": recipe.train.global_batch_size,
+        "micro_batch_size": job["micro"],
+        "max_length": recipe.data.max_length,
+        "data": data_stats,
+        "train": {
+            "losses": [{"step": e["step"], "loss": e["loss"]} for e in logs],
+            "log": cb.logs,
+            "final_loss": logs[-1]["loss"] if logs else None,
+            "mean_loss": result.training_loss,
+            "steady_tokens_per_second": mean("tokens_per_second"),
+            "steady_tokens_per_second_per_device": mean("tokens_per_second_per_device"),
+            "steady_step_time": mean("step_time"),
+        },
+        "eval": {"before": before, "after": after},
+        "compiles": {
+            "warmup_steps": warmup,
+            "during_warmup": by_step.get(warmup, 0),
+            "after_warmup": by_step.get(steps, 0) - by_step.get(warmup, 0),
+            "total": compile_count(),
+            "persistent_cache_hits": counter("PersistentCacheHit"),
+            "persistent_cache_misses": counter("PersistentCacheMiss"),
+        },
+        "time": {"train_seconds": round(train_seconds, 1)},
+    }
+
+
+def _save(recipe: Recipe, job: dict[str, Any], tokenizer, out: Path, metrics: dict[str, Any]) -> Path:
+    from lowmem_tpu.console import say
+    from lowmem_tpu.export import check_adapter, publish, save_adapter, save_full_model
+
+    final, partial = out / "final", out / "final.partial"
+    if partial.exists():
+        import shutil
+
+        shutil.rmtree(partial)
+    if recipe.lora.enabled:
+        keys = save_adapter(job["model"], job["names"], partial, job["base"])
+        check_adapter(partial, keys)
+    else:
+        save_full_model(job["model"], job["names"], partial)
+    tokenizer.save_pretrained(partial)
+    (partial / "recipe.yaml").write_text(recipe.to_yaml())
+    publish(partial, final)
+    say(f"saved {'adapter' if recipe.lora.enabled else 'model'} to {final}")
+    return final
+
+
+def _summary(recipe: Recipe, metrics: dict[str, Any], final: Path) -> None:
+    from lowmem_tpu.console import table
+
+    before, after = metrics["eval"]["before"], metrics["eval"]["after"]
+    rows = [
+        ("mode", f"{metrics['mode']} on {metrics['num_devices']} {metrics['platform']} devices"),
+        ("steps", str(metrics["steps"])),
+        ("train loss (last log)", _fmt(metrics["train"]["final_loss"])),
+    ]
+    for key, name in (("loss", "eval loss"), ("exact_match", "exact match")):
+        if key in before or key in after:
+            rows.append((name, f"{_fmt(before.get(key))} -> {_fmt(after.get(key))}"))
+    tps = metrics["train"]["steady_tokens_per_second"]
+    rows += [
+        ("tokens/s (steady)", f"{tps:,.0f}" if tps else "n/a"),
+        ("compiles", f"{metrics['compiles']['during_warmup']} in warm-up, {metrics['compiles']['after_warmup']} after"),
+        ("output", str(final)),
+    ]
+    print("\nsummary\n" + table(rows), flush=True)
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.4f}"

@@ -1,0 +1,189 @@
+"""TRL's SFTTrainer on XLA SPMD FSDP, with the six traps of this stack handled.
+
+1. transformers creates no optimizer on its XLA FSDP path: we create it from the wrapped model.
+2. TRL's fused LM head returns ``logits=None``: our ``shard_output`` shards what is there.
+3. torch's gradient checkpointing fails on XLA: it is off, torch_xla's per-layer checkpointing is used.
+4. ``adamw_torch_fused`` refuses XLA tensors: ``adamw_torch`` or Adafactor.
+5. ``save_model`` loses the adapter: ``export`` saves it from the unwrapped PEFT model.
+6. ``fsdp="full_shard"`` strings are deprecated: a list is passed.
+
+Besides, the loss and its metrics stay on the device between logging steps: TRL's
+per-step ``.item()`` calls would cut every step's graph in two and sync the host.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from transformers import TrainerCallback
+from trl import SFTConfig, SFTTrainer
+
+from lowmem_tpu import runtime as rt
+from lowmem_tpu.data import collate
+from lowmem_tpu.recipe import Recipe
+from lowmem_tpu.sharding import wrap_model
+
+OPTIMIZERS = {"adamw": "adamw_torch", "adafactor": "adafactor"}
+
+
+def training_args(recipe: Recipe, micro_batch: int) -> SFTConfig:
+    """SFTConfig for the XLA FSDPv2 path (checkpointing and wrapping are ours)."""
+    t = recipe.train
+    return SFTConfig(
+        output_dir=recipe.output_dir,
+        max_steps=t.max_steps,
+        per_device_train_batch_size=micro_batch,  # one SPMD process: "per device" is the whole micro-batch
+        per_device_eval_batch_size=micro_batch,
+        gradient_accumulation_steps=t.gradient_accumulation_steps,
+        learning_rate=t.learning_rate,
+        lr_scheduler_type=t.lr_scheduler,
+        warmup_steps=t.warmup_steps,
+        optim=OPTIMIZERS[t.optimizer],
+        weight_decay=t.weight_decay,
+        max_grad_norm=t.max_grad_norm,
+        logging_steps=t.logging_steps,
+        eval_strategy="steps" if t.eval_steps and recipe.data.eval_path else "no",
+        eval_steps=t.eval_steps,
+        save_strategy="no",
+        report_to=[],
+        seed=t.seed,
+        data_seed=t.seed,
+        bf16=False,  # weights are already in the recipe's dtype; no autocast
+        gradient_checkpointing=False,
+        fsdp=["full_shard"],
+        fsdp_config={"xla": True, "xla_fsdp_v2": True, "xla_fsdp_grad_ckpt": False},
+        dataset_kwargs={"skip_prepare_dataset": True},
+        remove_unused_columns=False,
+        dataloader_drop_last=True,  # a short last batch would be a new shape, hence a recompilation
+        disable_tqdm=True,
+        max_length=recipe.data.max_length,
+        packing=False,
+    )
+
+
+class XlaSFTTrainer(SFTTrainer):
+    """SFTTrainer whose model is wrapped by :func:`lowmem_tpu.sharding.wrap_model`."""
+
+    def __init__(self, *, recipe: Recipe, runtime: rt.Runtime, **kwargs: Any):
+        self.recipe = recipe
+        self.runtime = runtime
+        self._fsdp_model: torch.nn.Module | None = None
+        self._totals: dict[str, torch.Tensor] = {}
+        self._last_log: tuple[float, dict[str, float]] | None = None
+        super().__init__(data_collator=collate, **kwargs)
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        self._last_log = (time.perf_counter(), {"step": self.state.global_step})
+        return super().train(*args, **kwargs)
+
+    # Traps 1 and 3: our FSDPv2 wrapping (once, for train and eval), then the optimizer.
+    def _wrap_model(self, model: torch.nn.Module, training: bool = True, dataloader: Any = None) -> torch.nn.Module:
+        if self._fsdp_model is None:
+            self._fsdp_model = wrap_model(model, self.recipe.sharding, self.runtime)
+        if training and self.optimizer is None:
+            self.create_optimizer(self._fsdp_model)
+        return self._fsdp_model
+
+    @property
+    def fsdp_model(self) -> torch.nn.Module:
+        """The wrapped model (wrapping it now if training has not started)."""
+        return self._wrap_model(self.model, training=False)
+
+    def compute_loss(
+        self, model: torch.nn.Module, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch=None
+    ):
+        mode = "train" if model.training else "eval"
+        outputs = model(**inputs, use_cache=False, fused_lm_head=True)
+        mask = outputs.label_mask
+        denominator = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+        loss = -outputs.log_probs.sum() / denominator
+        self._accumulate(
+            mode,
+            tokens=inputs["attention_mask"].sum(),
+            label_tokens=mask.sum(),
+            correct=outputs.is_top1.sum(),
+            entropy=outputs.entropy.detach().sum(),
+        )
+        return (loss, outputs) if return_outputs else loss
+
+    def _accumulate(self, mode: str, **values: torch.Tensor) -> None:
+        for key, value in values.items():
+            name = f"{mode}/{key}"
+            value = value.detach().float()
+            self._totals[name] = self._totals[name] + value if name in self._totals else value
+
+    def read_totals(self, mode: str) -> dict[str, float]:
+        """Host copies of the running device-side sums (a sync: call at logging time only)."""
+        names = [name for name in self._totals if name.startswith(f"{mode}/")]
+        values = torch.stack([self._totals[n] for n in names]).cpu().tolist() if names else []
+        return {n.split("/", 1)[1]: v for n, v in zip(names, values, strict=True)}
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        mode = "eval" if any(k.startswith("eval_") for k in logs) else "train"
+        totals = self.read_totals(mode)
+        if mode == "train":
+            logs.update(self._throughput(totals))
+        elif totals:
+            logs["eval_token_accuracy"] = totals["correct"] / max(totals["label_tokens"], 1)
+            for name in [n for n in self._totals if n.startswith("eval/")]:
+                del self._totals[name]  # each evaluation reports its own figures
+        # Skip SFTTrainer.log: its per-step metric lists are not filled here.
+        super(SFTTrainer, self).log(logs, start_time)
+
+    def _throughput(self, totals: dict[str, float]) -> dict[str, float]:
+        now, step = time.perf_counter(), self.state.global_step
+        if not totals:
+            return {}
+        previous_time, previous = self._last_log or (now, {"step": step})
+        self._last_log = (now, totals | {"step": step})
+        steps = step - previous["step"]
+        delta = {k: totals[k] - previous.get(k, 0.0) for k in totals}
+        out = {"token_accuracy": delta["correct"] / max(delta["label_tokens"], 1)}
+        if steps and now > previous_time:
+            seconds = now - previous_time
+            out |= {
+                "step_time": seconds / steps,
+                "tokens_per_second": delta["tokens"] / seconds,
+                "tokens_per_second_per_device": delta["tokens"] / seconds / self.runtime.num_devices,
+            }
+        return out
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        raise RuntimeError("trap 5: use lowmem_tpu.export to save, trainer.save_model loses the LoRA adapter")
+
+
+class MetricsCallback(TrainerCallback):
+    """Collects the log history and the XLA compile count after every step."""
+
+    def __init__(self) -> None:
+        self.compiles_by_step: dict[int, int] = {}
+        self.logs: list[dict[str, float]] = []
+        self.first_log_step: int | None = None
+        self.first_eval_step: int | None = None
+        self.training = False
+
+    def on_train_begin(self, args, state, control, **kwargs) -> None:
+        self.training = True
+
+    def on_train_end(self, args, state, control, **kwargs) -> None:
+        self.training = False
+
+    def on_step_end(self, args, state, control, **kwargs) -> None:
+        self.compiles_by_step[state.global_step] = rt.compile_count()
+
+    def on_log(self, args, state, control, logs=None, **kwargs) -> None:
+        entry = {"step": state.global_step, **(logs or {})}
+        self.logs.append(entry)
+        if not self.training:
+            return
+        if any(k.startswith("eval_") for k in entry):
+            self.first_eval_step = state.global_step if self.first_eval_step is None else self.first_eval_step
+        elif "loss" in entry:
+            self.first_log_step = state.global_step if self.first_log_step is None else self.first_log_step
+
+    def warmup_end(self, max_steps: int) -> int:
+        """Warm-up lasts until the step after the first log and the first evaluation."""
+        marks = [2] + [s + 1 for s in (self.first_log_step, self.first_eval_step) if s is not None]
+        return min(max(marks), max_steps)

@@ -1,0 +1,107 @@
+"""Build the embedded default's assets deterministically (nothing is downloaded).
+
+Writes into ``lowmem_tpu/assets``:
+  tiny-llama/   config.json (a 4-layer Llama) + a character-level tokenizer with a chat template
+  reverse/      train.jsonl and eval.jsonl: "reverse abcde" -> "edcba", in chat format
+
+Run it again to regenerate; the output is byte-identical for the same code.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import string
+from pathlib import Path
+
+ASSETS = Path(__file__).resolve().parents[1] / "lowmem_tpu" / "assets"
+SPECIALS = ["<unk>", "<s>", "</s>", "<|user|>", "<|assistant|>"]
+CHARS = list(string.ascii_lowercase + string.digits + " :,.?!-")
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'user' %}<|user|>{{ message['content'] }}"
+    "{% elif message['role'] == 'assistant' %}<|assistant|>{{ message['content'] }}</s>"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+WORD_LENGTH = 5
+
+
+def build_tokenizer(out: Path) -> int:
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token: i for i, token in enumerate(SPECIALS + CHARS)}
+    # A BPE without merges is a character-level tokenizer: every character is one token.
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    backend.add_special_tokens(SPECIALS)
+    backend.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        # No pad token, like Llama: lowmem-tpu must pick one without hiding the EOS.
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(out)
+    return len(vocab)
+
+
+def write_config(out: Path, vocab_size: int) -> None:
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": -(-vocab_size // 16) * 16,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "max_position_embeddings": 128,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "initializer_range": 0.02,
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "use_cache": False,
+    }
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def sample(rng: random.Random) -> dict:
+    word = "".join(rng.choice(string.ascii_lowercase) for _ in range(WORD_LENGTH))
+    return {
+        "messages": [
+            {"role": "user", "content": f"reverse {word}"},
+            {"role": "assistant", "content": word[::-1]},
+        ]
+    }
+
+
+def write_dataset(out: Path, n_train: int = 4000, n_eval: int = 200) -> None:
+    rng = random.Random(1234)
+    rows, seen = [], set()
+    while len(rows) < n_train + n_eval:
+        row = sample(rng)
+        prompt = row["messages"][0]["content"]
+        if prompt not in seen:
+            seen.add(prompt)
+            rows.append(row)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, part in (("train", rows[:n_train]), ("eval", rows[n_train:])):
+        lines = (json.dumps(r, separators=(",", ":")) for r in part)
+        (out / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def main() -> None:
+    model_dir = ASSETS / "tiny-llama"
+    model_dir.mkdir(parents=True, exist_ok=True)
+    write_config(model_dir, build_tokenizer(model_dir))
+    write_dataset(ASSETS / "reverse")
+    print(f"wrote {model_dir} and {ASSETS / 'reverse'}")
+
+
+if __name__ == "__main__":
+    main()
