@@ -55,7 +55,9 @@ def validate(recipe: RecipeArg = None, overrides: OverridesArg = None) -> None:
     try:
         loaded = _load(recipe, overrides)
         from lowmem_tpu.modeling import check_model
+        from lowmem_tpu.runtime import configure_environment
 
+        configure_environment(loaded.runtime)
         summary = check_model(loaded)
     except UserError as err:
         _fail(err)

@@ -41,7 +41,10 @@ class ProgressCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs) -> None:
         from tqdm.auto import tqdm
 
-        self.bar = tqdm(total=state.max_steps, desc="training", unit="step", file=sys.stderr, dynamic_ncols=True)
+        # disable=None: a bar on a terminal, none in a log file (the log lines still print)
+        self.bar = tqdm(
+            total=state.max_steps, desc="training", unit="step", file=sys.stderr, dynamic_ncols=True, disable=None
+        )
 
     def on_step_end(self, args, state, control, **kwargs) -> None:
         if self.bar is not None:

@@ -62,6 +62,9 @@ def check_model(recipe: Recipe) -> str:
         return f"{recipe.model.name_or_path}: config not available offline, layer class not checked"
     from lowmem_tpu.sharding import layer_class
 
+    positions = getattr(config, "max_position_embeddings", None)
+    if positions and recipe.data.max_length > positions:
+        raise UserError(f"data.max_length: {recipe.data.max_length} exceeds the model's {positions} positions")
     model = meta_model(config)
     layer = layer_class(model, recipe.sharding.layer_class)
     params = sum(p.numel() for p in model.parameters())
@@ -120,6 +123,14 @@ def load_model(cfg: ModelSection, seed: int) -> Any:
             ) from None
     model.config.use_cache = False
     return model
+
+
+def align_special_tokens(model: Any, tokenizer: Any) -> None:
+    """Tell the model config which ids the tokenizer pads and ends with."""
+    for config in (model.config, getattr(model, "generation_config", None)):
+        if config is not None:
+            config.pad_token_id = tokenizer.pad_token_id
+            config.eos_token_id = tokenizer.eos_token_id
 
 
 def apply_lora(model: Any, recipe: Recipe) -> Any:

@@ -7,19 +7,30 @@ overrides. Loading it never imports torch: every problem is reported at once as
 
 from __future__ import annotations
 
+import copy
 import difflib
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from lowmem_tpu.errors import UserError
 
 BUILTIN = "builtin:"
 ASSETS = Path(__file__).parent / "assets"
 DATA_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
 
 class RecipeError(UserError):
@@ -27,6 +38,8 @@ class RecipeError(UserError):
 
 
 class Section(BaseModel):
+    """A recipe section: unknown keys are errors, values are frozen once validated."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
@@ -42,17 +55,50 @@ def looks_local(value: str) -> bool:
     )
 
 
-def _check_source(value: str, what: str) -> str:
+def _visible(path: Path) -> bool:
+    return not any(part.startswith(("_", ".")) for part in path.relative_to(ASSETS).parts)
+
+
+def builtin_names(kind: Literal["model", "dataset"]) -> list[str]:
+    """The usable ``builtin:`` names: model directories (holding a config.json) or data files."""
+    if not ASSETS.is_dir():
+        return []
+    models = sorted(p.parent for p in ASSETS.rglob("config.json") if _visible(p))
+    if kind == "model":
+        return [p.relative_to(ASSETS).as_posix() for p in models]
+    files = (
+        p
+        for p in ASSETS.rglob("*")
+        if p.is_file() and p.suffix in DATA_SUFFIXES and _visible(p) and not any(m in p.parents for m in models)
+    )
+    return sorted(p.relative_to(ASSETS).as_posix() for p in files)
+
+
+def builtin_has_weights(value: str) -> bool:
+    """True when a ``builtin:`` model directory ships weights (the bundled ones ship only a config)."""
+    path = resolve_builtin(value)
+    return path.is_dir() and any(p.suffix in WEIGHT_SUFFIXES for p in path.iterdir())
+
+
+def _check_source(value: str, what: Literal["model", "dataset"]) -> str:
     if value.startswith(BUILTIN):
-        if not resolve_builtin(value).exists():
-            known = sorted(p.name for p in ASSETS.iterdir() if not p.name.startswith("_"))
-            raise ValueError(f"no built-in {what} {value!r}; built-in ones: {', '.join(known)}")
-    elif looks_local(value) and not Path(value).expanduser().exists():
-        raise ValueError(f"file or directory not found: {value} (give an existing path or a Hub id)")
+        known = builtin_names(what)
+        if value.removeprefix(BUILTIN) not in known:
+            kind = "files" if what == "dataset" else "directories"
+            names = ", ".join(BUILTIN + name for name in known) or "none"
+            raise ValueError(f"no built-in {what} {value!r}; built-in ones ({kind}): {names}")
+    elif looks_local(value):
+        path = Path(value).expanduser()
+        if not path.exists():
+            raise ValueError(f"file or directory not found: {value} (give an existing path or a Hub id)")
+        if what == "model" and not path.is_dir():
+            raise ValueError(f"{value} is a file; give the directory that holds the model's config.json")
     return value
 
 
 class ModelSection(Section):
+    """The base model and its tokenizer."""
+
     name_or_path: str = Field(
         "builtin:tiny-llama",
         description="Hub id, local directory, or builtin:tiny-llama (a tiny Llama config shipped here).",
@@ -89,6 +135,8 @@ class ModelSection(Section):
 
 
 class LoraSection(Section):
+    """LoRA adapters (PEFT); disable for full-parameter fine-tuning."""
+
     enabled: bool = Field(True, description="Train LoRA adapters on a frozen base; false = full fine-tuning.")
     r: int = Field(16, gt=0, le=4096, description="LoRA rank: adapter memory grows linearly with r.")
     alpha: float = Field(32, gt=0, description="LoRA scaling numerator (scale = alpha / r).")
@@ -100,7 +148,12 @@ class LoraSection(Section):
 
 
 class DataSection(Section):
-    path: str = Field("builtin:reverse/train.jsonl", description="Local JSONL/JSON/CSV/Parquet file or Hub dataset.")
+    """Training (and held-out) data, its format, and the static shape it is tokenized to."""
+
+    path: str = Field(
+        "builtin:reverse/train.jsonl",
+        description="Training data: local JSONL/JSON/CSV/Parquet file, Hub dataset, or builtin:NAME.",
+    )
     split: str = Field("train", description="Split to read from a Hub dataset.")
     eval_path: str | None = Field(None, description="Held-out data in the same format (file or Hub dataset).")
     eval_split: str | None = Field(None, description="Split of a Hub dataset to evaluate on.")
@@ -126,6 +179,8 @@ class DataSection(Section):
 
 
 class ShardingSection(Section):
+    """How weights are split over the XLA devices (FSDPv2) and which layers are recomputed."""
+
     strategy: Literal["fsdp", "replicated"] = Field(
         "fsdp", description="fsdp: every weight sharded over all devices (1/N each); replicated: a copy per device."
     )
@@ -138,15 +193,19 @@ class ShardingSection(Section):
 
 
 class RuntimeSection(Section):
+    """The XLA devices: a TPU, or virtual devices on the CPU backend for a rehearsal."""
+
     device: Literal["auto", "tpu", "cpu"] = Field("auto", description="auto: the TPU if there is one, else the CPU.")
     num_cpu_devices: int = Field(4, ge=1, le=64, description="Virtual XLA devices on the CPU backend.")
     compile_cache_dir: str | None = Field(
-        None, description="Persistent XLA compilation cache (reused on TPU); none to disable."
+        None, description="Directory of a persistent XLA compilation cache (reused across TPU runs); null disables it."
     )
     quiet: bool = Field(True, description="Hide the XLA/transformers warning wall on stderr.")
 
 
 class TrainSection(Section):
+    """Optimisation, batch shape, logging and evaluation."""
+
     max_steps: int = Field(100, gt=0, description="Optimizer steps to run.")
     global_batch_size: int = Field(
         8, gt=0, description="Samples per optimizer step, over all devices and accumulation steps."
@@ -172,12 +231,16 @@ class TrainSection(Section):
 
 
 class HubSection(Section):
+    """Pushing the result to the Hugging Face Hub."""
+
     push: bool = Field(False, description="Push the result to the Hugging Face Hub after training.")
     repo_id: str | None = Field(None, description="OWNER/NAME of the Hub repository.")
     private: bool = Field(False, description="Create the repository as private.")
 
 
 class Recipe(Section):
+    """A whole fine-tuning run: top-level keys plus one mapping per section."""
+
     extends: str | None = Field(None, description="Recipe file this one extends (relative to this file).")
     output_dir: str = Field("outputs/run", description="Where checkpoints and final/ are written.")
     model: ModelSection = Field(default_factory=ModelSection)
@@ -189,35 +252,56 @@ class Recipe(Section):
     hub: HubSection = Field(default_factory=HubSection)
 
     @model_validator(mode="after")
-    def _cross_checks(self) -> Recipe:
-        problems = []
-        t = self.train
-        if t.global_batch_size % t.gradient_accumulation_steps:
-            problems.append(
-                f"train.global_batch_size: {t.global_batch_size} is not divisible by "
-                f"train.gradient_accumulation_steps ({t.gradient_accumulation_steps})"
-            )
-        if self.runtime.device == "cpu" or (self.runtime.device == "auto" and not tpu_present()):
-            devices = self.runtime.num_cpu_devices
-            micro = t.global_batch_size // t.gradient_accumulation_steps
-            if micro % devices:
-                problems.append(
-                    f"train.global_batch_size: the micro-batch ({t.global_batch_size} / "
-                    f"{t.gradient_accumulation_steps} accumulation steps = {micro}) must split evenly over "
-                    f"{devices} devices; use a multiple of {devices * t.gradient_accumulation_steps}"
-                )
-        if self.hub.push and not self.hub.repo_id:
-            problems.append("hub.repo_id: required when hub.push is true (OWNER/NAME)")
-        if t.eval_samples and not self.data.eval_path:
-            problems.append("train.eval_samples: needs data.eval_path (held-out prompts to score)")
-        if problems:
-            raise ValueError("\n".join(problems))
+    def _cross_checks(self, info: ValidationInfo) -> Recipe:
+        # validate_recipe defers these so it can drop the ones a bad field would make spurious.
+        if not (info.context or {}).get(_DEFER_CROSS_CHECKS):
+            problems = [message for _, message in cross_problems(self)]
+            if problems:
+                raise ValueError("\n".join(problems))
         return self
 
     def to_yaml(self) -> str:
         """The resolved recipe as YAML (no ``extends``: every value is spelled out)."""
         data = self.model_dump(mode="json", exclude={"extends"})
         return yaml.safe_dump(data, sort_keys=False)
+
+
+_DEFER_CROSS_CHECKS = "lowmem_tpu.defer_cross_checks"
+
+
+def cross_problems(recipe: Recipe) -> list[tuple[tuple[str, ...], str]]:
+    """Problems that involve several fields, each as (the dotted fields involved, message)."""
+    problems: list[tuple[tuple[str, ...], str]] = []
+    t, model, data = recipe.train, recipe.model, recipe.data
+    batch = ("train.global_batch_size", "train.gradient_accumulation_steps")
+    if t.global_batch_size % t.gradient_accumulation_steps:
+        message = f"{t.global_batch_size} is not divisible by train.gradient_accumulation_steps"
+        problems.append((batch, f"train.global_batch_size: {message} ({t.gradient_accumulation_steps})"))
+    # On a TPU the device count is only known once torch_xla starts; the runtime checks it there.
+    if recipe.runtime.device == "cpu" or (recipe.runtime.device == "auto" and not tpu_present()):
+        devices, accumulation = recipe.runtime.num_cpu_devices, t.gradient_accumulation_steps
+        micro = t.global_batch_size // accumulation
+        if micro % devices:
+            message = (
+                f"the micro-batch ({t.global_batch_size} / {accumulation} accumulation steps = {micro}) must "
+                f"split evenly over {devices} devices; use a multiple of {devices * accumulation}"
+            )
+            fields = (*batch, "runtime.num_cpu_devices", "runtime.device")
+            problems.append((fields, f"train.global_batch_size: {message}"))
+    if model.name_or_path.startswith(BUILTIN) and not model.random_init and not builtin_has_weights(model.name_or_path):
+        message = f"must be true for {model.name_or_path}, which ships a config and tokenizer but no weights"
+        if "name_or_path" not in model.model_fields_set:
+            message += " (it is the default model: set model.name_or_path to a Hub id or directory to use another)"
+        problems.append((("model.name_or_path", "model.random_init"), f"model.random_init: {message}"))
+    if recipe.hub.push and not recipe.hub.repo_id:
+        problems.append((("hub.push", "hub.repo_id"), "hub.repo_id: required when hub.push is true (OWNER/NAME)"))
+    if t.eval_samples and not data.eval_path:
+        message = "train.eval_samples: needs data.eval_path (held-out prompts to score)"
+        problems.append((("train.eval_samples", "data.eval_path"), message))
+    if t.eval_steps and not data.eval_path:
+        message = "train.eval_steps: needs data.eval_path (without it nothing would be evaluated)"
+        problems.append((("train.eval_steps", "data.eval_path"), message))
+    return problems
 
 
 def tpu_present() -> bool:
@@ -231,17 +315,42 @@ def tpu_present() -> bool:
     )
 
 
-def _read_yaml(path: Path, where: str) -> dict[str, Any]:
+class _Loader(yaml.SafeLoader):
+    """YAML 1.1 as PyYAML reads it, plus YAML 1.2 floats without a dot (``3e-4``, ``1e5``)."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def _parse_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_Loader)  # a SafeLoader subclass: no arbitrary objects
+
+
+def _show(path: Path) -> str:
     try:
-        data = yaml.safe_load(path.read_text())
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def _read_yaml(path: Path, where: str, named_in: Path | None = None) -> dict[str, Any]:
+    try:
+        data = _parse_yaml(path.read_text())
     except FileNotFoundError:
-        raise RecipeError([f"{where}: recipe file not found: {path}"]) from None
+        by = f" (named by {_show(named_in)})" if named_in else ""
+        raise RecipeError([f"{where}: recipe file not found: {_show(path)}{by}"]) from None
+    except IsADirectoryError:
+        raise RecipeError([f"{where}: {_show(path)} is a directory, not a recipe file"]) from None
     except yaml.YAMLError as err:
-        raise RecipeError([f"{where}: not valid YAML in {path}: {err}"]) from None
+        raise RecipeError([f"{where}: not valid YAML in {_show(path)}: {err}"]) from None
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise RecipeError([f"{where}: {path} must hold a mapping of sections, not {type(data).__name__}"])
+        raise RecipeError([f"{where}: {_show(path)} must hold a mapping of sections, not {type(data).__name__}"])
     return data
 
 
@@ -256,32 +365,36 @@ def _deep_merge(base: dict[str, Any], child: dict[str, Any]) -> dict[str, Any]:
 
 
 def read_recipe_file(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict[str, Any]:
-    """A recipe file with its ``extends`` chain merged in (the child wins)."""
-    path = Path(path)
+    """A recipe file with its ``extends`` chain merged in (the child wins, mappings merge key by key).
+
+    ``extends`` names a file relative to the recipe that names it.
+    """
+    path = Path(path).expanduser()
     resolved = path.resolve()
     if resolved in _chain:
-        cycle = " -> ".join(str(p) for p in (*_chain, resolved))
-        raise RecipeError([f"extends: cycle: {cycle}"])
-    data = _read_yaml(path, "extends" if _chain else "recipe")
+        cycle = " -> ".join(_show(p) for p in (*_chain, resolved))
+        raise RecipeError([f"extends: cycle: {cycle} (a recipe cannot extend itself, even indirectly)"])
+    data = _read_yaml(path, "extends" if _chain else "recipe", _chain[-1] if _chain else None)
     parent = data.pop("extends", None)
     if parent is None:
         return data
-    if not isinstance(parent, str):
-        raise RecipeError([f"extends: must be a file name, not {parent!r}"])
-    return _deep_merge(read_recipe_file(path.parent / parent, (*_chain, resolved)), data)
+    if not isinstance(parent, str) or not parent:
+        raise RecipeError([f"extends: must be a recipe file name, not {parent!r} (in {_show(path)})"])
+    return _deep_merge(read_recipe_file(path.parent / Path(parent).expanduser(), (*_chain, resolved)), data)
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply ``section.key=value`` overrides; values are parsed as YAML scalars."""
-    data = _deep_merge({}, data)
+    """Apply ``section.key=value`` overrides; values are parsed as YAML scalars (``[a, b]`` is a list)."""
+    data = copy.deepcopy(data)  # the caller's mapping stays as it was
     problems = []
     for item in overrides:
         key, sep, raw = item.partition("=")
+        key = key.strip()
         if not sep or not key or any(not part for part in key.split(".")):
             problems.append(f"{item}: an override is section.key=value, e.g. train.max_steps=50")
             continue
         try:
-            value = yaml.safe_load(raw) if raw else None
+            value = _parse_yaml(raw) if raw.strip() else None
         except yaml.YAMLError:
             value = raw
         node = data
@@ -297,38 +410,139 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
-def _fields_at(loc: tuple[Any, ...]) -> list[str]:
+# ----------------------------------------------------------------------------- validation
+
+
+def _section_fields(keys: tuple[str, ...]) -> list[str]:
+    """Field names of the section at ``keys`` (``()`` is the top level); [] when not a section."""
     model: type[BaseModel] = Recipe
-    for part in loc:
-        field = model.model_fields.get(str(part))
-        annotation = getattr(field, "annotation", None)
+    for key in keys:
+        annotation = getattr(model.model_fields.get(key), "annotation", None)
         if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
             return []
         model = annotation
     return list(model.model_fields)
 
 
-def _describe(error: dict[str, Any]) -> list[str]:
-    loc = tuple(error["loc"])
-    path = ".".join(str(p) for p in loc) or "recipe"
-    if error["type"] == "extra_forbidden":
-        valid = _fields_at(loc[:-1])
-        close = difflib.get_close_matches(str(loc[-1]), valid, n=1, cutoff=0.5)
-        hint = f"; did you mean {'.'.join([*map(str, loc[:-1]), close[0]])}?" if close else ""
-        return [f"{path}: unknown key{hint} (valid: {', '.join(valid)})"]
+def _sections() -> list[str]:
+    return [name for name in Recipe.model_fields if _section_fields((name,))]
+
+
+def _split_loc(loc: tuple[Any, ...]) -> tuple[tuple[str, ...], tuple[Any, ...]]:
+    """Split an error location into recipe keys (down to the leaf field) and what lies inside the value."""
+    keys: list[str] = []
+    for i, part in enumerate(loc):
+        section = _section_fields(tuple(keys))
+        keys.append(str(part))
+        if str(part) not in section or not _section_fields(tuple(keys)):
+            return tuple(keys), tuple(loc[i + 1 :])
+    return tuple(keys), ()
+
+
+def _suggest(keys: tuple[str, ...]) -> str:
+    """``did you mean``: the same key in another section, else a close key in the same section."""
+    *parent, key = keys
+    places = [(), *((section,) for section in _sections())]
+    elsewhere = [(*place, key) for place in places if place != tuple(parent) and key in _section_fields(place)]
+    if elsewhere:
+        return ".".join(elsewhere[0])
+    close = difflib.get_close_matches(key, _section_fields(tuple(parent)), n=1, cutoff=0.6)
+    return ".".join([*parent, close[0]]) if close else ""
+
+
+def _got(value: Any) -> str:
+    if isinstance(value, (dict, list, tuple)):
+        return ""
+    text = repr(value)
+    return f" (got {text if len(text) <= 60 else text[:57] + '...'})"
+
+
+def _message(error: dict[str, Any]) -> str:
     message = str(error["msg"]).removeprefix("Value error, ")
-    if error["type"] == "value_error" and not loc:
-        return message.splitlines()
-    return [f"{path}: {message}"]
+    return message if error["type"] == "value_error" else message + _got(error.get("input"))
+
+
+def _describe(keys: tuple[str, ...], errors: list[tuple[tuple[Any, ...], dict[str, Any]]]) -> list[str]:
+    """``dotted.path: message`` lines for the errors of one recipe key."""
+    path = ".".join(keys)
+    first = errors[0][1]
+    if first["type"] == "extra_forbidden":
+        suggestion = _suggest(keys)
+        hint = f"; did you mean {suggestion}?" if suggestion else ""
+        valid = _section_fields(keys[:-1])
+        return [f"{path}: unknown key{hint} (valid: {', '.join(valid)})"]
+    if first["type"] in {"model_type", "dict_type"} and len(errors) == 1:
+        valid = ", ".join(_section_fields(keys))
+        return [f"{path}: must be a mapping of {keys[-1]} keys ({valid}){_got(first.get('input'))}"]
+    # A union (e.g. a list of names or "all-linear") reports one error per alternative, tagged by
+    # name in the location. Keep the alternative that got furthest; if none did, join them.
+    branches = [(rest, e) for rest, e in errors if any(isinstance(part, str) for part in rest)]
+    plain = [(rest, e) for rest, e in errors if not any(isinstance(part, str) for part in rest)]
+    lines = [f"{path}{''.join(f'[{p}]' for p in rest)}: {_message(e)}" for rest, e in plain]
+    if branches:
+        depth = max(len(rest) for rest, _ in branches)
+        deepest = [(rest, e) for rest, e in branches if len(rest) == depth]
+        if depth > 1:
+            lines += [
+                f"{path}{''.join(f'[{p}]' for p in rest if isinstance(p, int))}: {_message(e)}" for rest, e in deepest
+            ]
+        else:
+            messages = [str(e["msg"]) for _, e in deepest]
+            joined = " or ".join([messages[0], *(m.removeprefix("Input should be ") for m in messages[1:])])
+            lines.append(f"{path}: {joined}{_got(deepest[0][1].get('input'))}")
+    return lines
+
+
+def _without(data: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
+    """A copy of ``data`` without the key at ``keys`` (so its default is used instead)."""
+    if not keys or not isinstance(data, dict) or keys[0] not in data:
+        return data
+    data = dict(data)
+    if len(keys) == 1:
+        del data[keys[0]]
+    else:
+        data[keys[0]] = _without(data[keys[0]], keys[1:])
+    return data
+
+
+def _involves(fields: tuple[str, ...], removed: list[tuple[str, ...]]) -> bool:
+    dotted = [".".join(keys) for keys in removed]
+    return any(f == r or f.startswith(r + ".") or r.startswith(f + ".") for f in fields for r in dotted)
 
 
 def validate_recipe(data: dict[str, Any]) -> Recipe:
-    """Validate a merged recipe mapping; raise :class:`RecipeError` listing every problem."""
-    try:
-        return Recipe.model_validate(data)
-    except ValidationError as err:
-        problems = [line for error in err.errors() for line in _describe(error)]
-        raise RecipeError(problems) from None
+    """Validate a merged recipe mapping; raise :class:`RecipeError` listing every problem.
+
+    Field problems come first. The offending keys are then dropped (their defaults stand in)
+    and the recipe validated again, so cross-field problems are reported in the same error,
+    except those that involve a dropped key (they could be artefacts of the default).
+    """
+    problems: list[str] = []
+    removed: list[tuple[str, ...]] = []
+    recipe = None
+    for _ in range(4):  # a second pass normally succeeds; the bound guards against surprises
+        try:
+            recipe = Recipe.model_validate(data, context={_DEFER_CROSS_CHECKS: True})
+            break
+        except ValidationError as err:
+            grouped: dict[tuple[str, ...], list[tuple[tuple[Any, ...], dict[str, Any]]]] = {}
+            for error in err.errors():
+                keys, rest = _split_loc(tuple(error["loc"]))
+                if keys:
+                    grouped.setdefault(keys, []).append((rest, error))
+                else:
+                    problems.extend(_message(error).splitlines())
+            if not grouped:
+                break
+            for keys, errors in grouped.items():
+                problems.extend(_describe(keys, errors))
+                removed.append(keys)
+                data = _without(data, keys)
+    if recipe is not None:
+        problems.extend(message for fields, message in cross_problems(recipe) if not _involves(fields, removed))
+    if problems or recipe is None:
+        raise RecipeError(list(dict.fromkeys(problems)) or ["recipe: invalid"])
+    return recipe
 
 
 def load_recipe(path: str | Path | None = None, overrides: list[str] | None = None) -> Recipe:

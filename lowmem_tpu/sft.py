@@ -7,6 +7,7 @@ recipe -> runtime -> tokenizer + data -> base model -> LoRA / full -> sharded mo
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +40,18 @@ def prepare_output(recipe: Recipe, overwrite: bool) -> Path:
     return out
 
 
-def run_sft(recipe: Recipe, overwrite: bool = False) -> dict[str, Any]:
-    """Train as the recipe says and write ``output_dir/final``; returns the metrics written."""
+@dataclass
+class SftRun:
+    """What a finished run leaves: its metrics, its output, and the live (sharded) model."""
+
+    metrics: dict[str, Any]
+    final_dir: Path
+    trainer: Any  # XlaSFTTrainer; ``trainer.fsdp_model`` is the trained, wrapped model
+    names: Any  # export.ParamNames of the unwrapped model
+
+
+def run_sft(recipe: Recipe, overwrite: bool = False) -> SftRun:
+    """Train as the recipe says and write ``output_dir/final``."""
     from lowmem_tpu.runtime import configure_environment
 
     started = time.perf_counter()
@@ -50,6 +61,7 @@ def run_sft(recipe: Recipe, overwrite: bool = False) -> dict[str, Any]:
     from lowmem_tpu import data, modeling
     from lowmem_tpu.console import say
 
+    say(f"checking the recipe: {modeling.check_model(recipe)}")
     say("loading tokenizer and data")
     tokenizer = modeling.load_tokenizer(recipe.model)
     train_ds, data_stats = data.build_dataset(recipe.data, tokenizer)
@@ -83,7 +95,7 @@ def run_sft(recipe: Recipe, overwrite: bool = False) -> dict[str, Any]:
 
     write_json(final / "metrics.json", metrics)
     _summary(recipe, metrics, final)
-    return metrics
+    return SftRun(metrics, final, job["trainer"], job["names"])
 
 
 def _build(recipe: Recipe, runtime, tokenizer, train_ds, eval_ds, micro: int, out: Path) -> dict[str, Any]:
@@ -96,6 +108,7 @@ def _build(recipe: Recipe, runtime, tokenizer, train_ds, eval_ds, micro: int, ou
     init = ", random init" if recipe.model.random_init else ""
     say(f"loading {recipe.model.name_or_path} ({recipe.model.dtype}{init})")
     model = modeling.load_model(recipe.model, recipe.train.seed)
+    modeling.align_special_tokens(model, tokenizer)
     base = _base_reference(recipe, model, tokenizer, out)
     model = modeling.apply_lora(model, recipe)
     trainable, total = modeling.count_parameters(model)

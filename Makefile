@@ -1,0 +1,30 @@
+# Two commands that work on a fresh machine with Python 3.11 and pip:
+#   make demo   - train the embedded default (tiny Llama, LoRA, 4 CPU XLA devices)
+#   make test   - the whole test suite
+PYTHON ?= python3
+VENV ?= .venv
+STAMP := $(VENV)/.installed-$(shell cat constraints.txt pyproject.toml | cksum | cut -d' ' -f1)
+
+.PHONY: demo test lint format install clean
+
+install: $(STAMP)
+
+$(STAMP): constraints.txt pyproject.toml
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[dev,plot]"
+	rm -f $(VENV)/.installed-* && touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/lowmem-tpu sft recipes/tiny_lora_cpu.yaml --overwrite
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/pytest -q
+
+lint format: $(STAMP)
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+clean:
+	rm -rf $(VENV) outputs .pytest_cache .ruff_cache
