@@ -8,11 +8,13 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-_START = time.perf_counter()
+_START: float | None = None
 
 
 def say(message: str) -> None:
-    """One stage line, with the seconds since start."""
+    """One stage line, with the seconds since the first one."""
+    global _START
+    _START = _START or time.perf_counter()
     print(f"[{time.perf_counter() - _START:6.1f}s] {message}", flush=True)
 
 

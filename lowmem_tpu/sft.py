@@ -72,7 +72,11 @@ def run_sft(recipe: Recipe, overwrite: bool = False) -> SftRun:
         )
         if recipe.train.eval_samples:
             prompts = data.exact_match_prompts(recipe.data, tokenizer, recipe.data.eval_path, recipe.train.eval_samples)
-    say(f"data: {data_stats['rows']} rows of {recipe.data.max_length} tokens ({data_stats})")
+    d = data_stats
+    say(
+        f"data: {d['samples']:,} samples -> {d['rows']:,} rows of {recipe.data.max_length} tokens "
+        f"({d['truncated']} truncated, {d['dropped']} dropped, {d['trained_tokens']:,} trained tokens)"
+    )
 
     from lowmem_tpu.runtime import setup_runtime
 

@@ -36,8 +36,20 @@ def lora_run(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def full_run(tmp_path_factory):
-    return _run(tmp_path_factory, "full", "lora.enabled=false", "train.learning_rate=1e-3")
+def full_run(tmp_path_factory, lora_run):
+    # Full fine-tuning of a pretrained model from a local directory (the LoRA run's saved base),
+    # with gradient accumulation and Adafactor.
+    base = Path(lora_run[0].output_dir) / "base"
+    return _run(
+        tmp_path_factory,
+        "full",
+        f"model.name_or_path={base}",
+        "model.random_init=false",
+        "lora.enabled=false",
+        "train.optimizer=adafactor",
+        "train.gradient_accumulation_steps=2",
+        "train.learning_rate=1e-3",
+    )
 
 
 def _initial_model(recipe):
@@ -130,4 +142,5 @@ def test_full_finetuning_changes_every_parameter_and_saves_a_loadable_model(full
     for name, value in saved.items():
         assert not torch.equal(value, initial[name].detach()), f"{name} did not train"
     assert run.metrics["trainable_parameters"] == run.metrics["total_parameters"]
+    assert run.metrics["micro_batch_size"] == 8  # 16 samples in 2 accumulation steps
     assert run.metrics["compiles"]["after_warmup"] == 0
