@@ -29,6 +29,7 @@ def format_log(step: int, max_steps: int, logs: dict[str, float]) -> str:
         ("grad_norm", "grad {:.3f}"),
         ("tokens_per_second", "{:,.0f} tok/s"),
         ("step_time", "{:.3f} s/step"),
+        ("mfu", "MFU {:.1%}"),
     ]
     parts += [template.format(logs[key]) for key, template in fields if key in logs]
     return " | ".join(parts)

@@ -159,3 +159,18 @@ def count_parameters(model: Any) -> tuple[int, int]:
     """(trainable, total) parameter counts."""
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return trainable, sum(p.numel() for p in model.parameters())
+
+
+def flops_per_token(config: Any, total: int, trainable: int, seq_len: int, lora: bool) -> float:
+    """Training FLOPs per token, counting LoRA's cheaper backward honestly.
+
+    Forward: 2 per weight plus attention (4 x layers x hidden x seq). Backward: the same again for
+    activation gradients, plus 2 per *trainable* weight for weight gradients; a frozen base
+    skips those. Recomputation by checkpointing is not counted (this is model FLOPs, not hardware).
+    """
+    layers, hidden = config.num_hidden_layers, config.hidden_size
+    embedding = config.vocab_size * hidden  # a lookup, not a matmul
+    dense = total - embedding
+    trained = trainable - (0 if lora else embedding)
+    attention = 4 * layers * hidden * seq_len
+    return 2 * dense + attention + 2 * dense + attention + 2 * trained

@@ -28,6 +28,12 @@ class Runtime:
     device: Any  # torch.device("xla:0"), the SPMD virtual device
     mesh: Any  # torch_xla.distributed.spmd.Mesh with axes ("fsdp", "tensor")
     compile_cache_dir: str | None
+    kind: str = "unknown"  # device_kind, e.g. "TPU v4"
+
+    @property
+    def peak_flops(self) -> float | None:
+        """Peak bf16 FLOP/s of one device (None off TPU)."""
+        return peak_flops_per_device(self.kind) if self.platform == "TPU" else None
 
     def describe(self) -> str:
         return f"{self.num_devices} {self.platform} device{'s' if self.num_devices > 1 else ''} (SPMD, fsdp mesh)"
@@ -85,7 +91,7 @@ def setup_runtime(cfg: RuntimeSection) -> Runtime:
     import torch_xla.distributed.spmd as xs
     import torch_xla.runtime as xr
 
-    cache_dir = _init_cache(cfg.compile_cache_dir, xr)
+    cache_dir = _init_cache(cfg.compile_cache_dir, platform, xr)
     xr.use_spmd()
     num_devices = xr.global_runtime_device_count()
     if platform == "CPU" and num_devices != cfg.num_cpu_devices:
@@ -94,19 +100,34 @@ def setup_runtime(cfg: RuntimeSection) -> Runtime:
     xs.set_global_mesh(mesh)
     device = torch_xla.device()
     assert isinstance(device, torch.device)
-    return Runtime(platform, num_devices, device, mesh, cache_dir)
+    return Runtime(platform, num_devices, device, mesh, cache_dir, device_kind())
 
 
-def _init_cache(path: str | None, xr: Any) -> str | None:
+def _init_cache(path: str | None, platform: str, xr: Any) -> str | None:
+    """Point torch_xla's persistent compilation cache at ``path`` (``auto``: the user's cache dir)."""
     if not path:
         return None
     import torch_xla
 
     if torch_xla._XLAC._xla_computation_cache_is_initialized():
         return os.environ.get("XLA_PERSISTENT_CACHE_PATH")
-    Path(path).expanduser().mkdir(parents=True, exist_ok=True)
-    xr.initialize_cache(str(Path(path).expanduser()), readonly=False)
-    return path
+    if path == "auto":
+        root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+        directory = root / "lowmem-tpu" / f"xla-{platform.lower()}"
+    else:
+        directory = Path(path).expanduser()
+    directory.mkdir(parents=True, exist_ok=True)
+    xr.initialize_cache(str(directory), readonly=False)
+    return str(directory)
+
+
+def cache_stats() -> dict[str, int]:
+    """Persistent compilation cache counters of this process."""
+    return {
+        "hits": counter("PersistentCacheHit"),
+        "misses": counter("PersistentCacheMiss"),
+        "unreadable": counter("PersistentCacheDeserializeFailure"),
+    }
 
 
 def compile_count() -> int:
@@ -123,6 +144,36 @@ def counter(name: str) -> int:
 
     value = met.counter_value(name)
     return int(value or 0)
+
+
+# Peak dense bf16 FLOP/s of one XLA device (a core on v2/v3, a chip from v4 on), by device_kind prefix.
+PEAK_FLOPS = {
+    "TPU v2": 22.5e12,
+    "TPU v3": 61.5e12,
+    "TPU v4": 275e12,
+    "TPU v5 lite": 197e12,
+    "TPU v5e": 197e12,
+    "TPU v5p": 459e12,
+    "TPU v5": 459e12,
+    "TPU v6 lite": 918e12,
+    "TPU v6e": 918e12,
+}
+
+
+def device_kind() -> str:
+    """What the first device is, e.g. 'TPU v4' or 'cpu'."""
+    import torch_xla.runtime as xr
+
+    attributes = xr.global_runtime_device_attributes()
+    return str(attributes[0].get("device_kind", "unknown")) if attributes else "unknown"
+
+
+def peak_flops_per_device(kind: str) -> float | None:
+    """Peak bf16 FLOP/s of one device of this kind (None off TPU or when unknown)."""
+    for prefix, flops in sorted(PEAK_FLOPS.items(), key=lambda item: -len(item[0])):
+        if kind.startswith(prefix):
+            return flops
+    return None
 
 
 def sync() -> None:

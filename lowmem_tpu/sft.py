@@ -93,6 +93,11 @@ def run_sft(recipe: Recipe, overwrite: bool = False) -> SftRun:
     after = _evaluate(job, prompts, "after training")
 
     metrics = _metrics(recipe, runtime, job, data_stats, before, after, result, train_seconds)
+    if metrics["compiles"]["persistent_cache"]["unreadable"]:
+        say(
+            f"note: the compile cache in {runtime.compile_cache_dir} could not be read back on the "
+            f"{runtime.platform} backend, so everything was compiled again (on a TPU it is reused)"
+        )
     final = _save(recipe, job, tokenizer, out, metrics)
     metrics["time"]["total_seconds"] = round(time.perf_counter() - started, 1)
     from lowmem_tpu.export import write_json
@@ -121,9 +126,11 @@ def _build(recipe: Recipe, runtime, tokenizer, train_ds, eval_ds, micro: int, ou
     place_parameters(model, runtime, recipe.sharding.strategy)
     names = ParamNames(model)
     metrics_cb = MetricsCallback()
+    flops = modeling.flops_per_token(model.config, total, trainable, recipe.data.max_length, recipe.lora.enabled)
     trainer = XlaSFTTrainer(
         recipe=recipe,
         runtime=runtime,
+        flops_per_token=flops,
         model=model,
         args=training_args(recipe, micro),
         train_dataset=train_ds,
@@ -141,6 +148,7 @@ def _build(recipe: Recipe, runtime, tokenizer, train_ds, eval_ds, micro: int, ou
         "micro": micro,
         "runtime": runtime,
         "tokenizer": tokenizer,
+        "flops_per_token": flops,
     }
 
 
@@ -188,7 +196,7 @@ def _evaluate(job: dict[str, Any], prompts, label: str) -> dict[str, Any]:
 
 
 def _metrics(recipe, runtime, job, data_stats, before, after, result, train_seconds) -> dict[str, Any]:
-    from lowmem_tpu.runtime import compile_count, counter
+    from lowmem_tpu.runtime import cache_stats, compile_count
 
     cb = job["metrics_cb"]
     steps = recipe.train.max_steps
@@ -217,6 +225,8 @@ def _metrics(recipe, runtime, job, data_stats, before, after, result, train_seco
             "steady_tokens_per_second": mean("tokens_per_second"),
             "steady_tokens_per_second_per_device": mean("tokens_per_second_per_device"),
             "steady_step_time": mean("step_time"),
+            "steady_mfu": mean("mfu") if runtime.peak_flops else None,
+            "flops_per_token": job["flops_per_token"],
         },
         "eval": {"before": before, "after": after},
         "compiles": {
@@ -224,8 +234,7 @@ def _metrics(recipe, runtime, job, data_stats, before, after, result, train_seco
             "during_warmup": by_step.get(warmup, 0),
             "after_warmup": by_step.get(steps, 0) - by_step.get(warmup, 0),
             "total": compile_count(),
-            "persistent_cache_hits": counter("PersistentCacheHit"),
-            "persistent_cache_misses": counter("PersistentCacheMiss"),
+            "persistent_cache": {"dir": runtime.compile_cache_dir, **cache_stats()},
         },
         "time": {"train_seconds": round(train_seconds, 1)},
     }

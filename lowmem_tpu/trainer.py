@@ -66,9 +66,10 @@ def training_args(recipe: Recipe, micro_batch: int) -> SFTConfig:
 class XlaSFTTrainer(SFTTrainer):
     """SFTTrainer whose model is wrapped by :func:`lowmem_tpu.sharding.wrap_model`."""
 
-    def __init__(self, *, recipe: Recipe, runtime: rt.Runtime, **kwargs: Any):
+    def __init__(self, *, recipe: Recipe, runtime: rt.Runtime, flops_per_token: float | None = None, **kwargs: Any):
         self.recipe = recipe
         self.runtime = runtime
+        self.flops_per_token = flops_per_token
         self._fsdp_model: torch.nn.Module | None = None
         self._totals: dict[str, torch.Tensor] = {}
         self._last_log: tuple[float, dict[str, float]] | None = None
@@ -95,17 +96,20 @@ class XlaSFTTrainer(SFTTrainer):
         self, model: torch.nn.Module, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch=None
     ):
         mode = "train" if model.training else "eval"
-        outputs = model(**inputs, use_cache=False, fused_lm_head=True)
-        mask = outputs.label_mask
+        labels = inputs["labels"][:, 1:]
+        mask = labels != -100
         denominator = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
-        loss = -outputs.log_probs.sum() / denominator
-        self._accumulate(
-            mode,
-            tokens=inputs["attention_mask"].sum(),
-            label_tokens=mask.sum(),
-            correct=outputs.is_top1.sum(),
-            entropy=outputs.entropy.detach().sum(),
-        )
+        if self.recipe.train.fused_lm_head:
+            # TRL's chunked LM head: per-token log-probs, never the [batch, length, vocab] logits.
+            outputs = model(**inputs, use_cache=False, fused_lm_head=True)
+            loss = -outputs.log_probs.sum() / denominator
+            correct = outputs.is_top1.sum()
+        else:
+            outputs = model(**inputs, use_cache=False, num_items_in_batch=denominator)
+            loss = outputs.loss
+            predicted = outputs.logits[:, :-1].argmax(-1)
+            correct = ((predicted == labels) & mask).sum()
+        self._accumulate(mode, tokens=inputs["attention_mask"].sum(), label_tokens=mask.sum(), correct=correct)
         return (loss, outputs) if return_outputs else loss
 
     def _accumulate(self, mode: str, **values: torch.Tensor) -> None:
@@ -148,6 +152,11 @@ class XlaSFTTrainer(SFTTrainer):
                 "tokens_per_second": delta["tokens"] / seconds,
                 "tokens_per_second_per_device": delta["tokens"] / seconds / self.runtime.num_devices,
             }
+            if self.runtime.peak_flops and self.flops_per_token:
+                # Padding tokens are computed too: count every position, not only real tokens.
+                positions = steps * self.recipe.train.global_batch_size * self.recipe.data.max_length
+                achieved = positions * self.flops_per_token / seconds / self.runtime.num_devices
+                out["mfu"] = achieved / self.runtime.peak_flops
         return out
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:

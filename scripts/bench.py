@@ -1,0 +1,157 @@
+"""Overhead of ``lowmem-tpu sft`` against the floor of this stack, in one process, alternating.
+
+    python scripts/bench.py [--steps 60] [--rounds 2] [KEY=VALUE ...]   (overrides of the tiny recipe)
+
+(a) ``lowmem-tpu sft`` (XlaSFTTrainer); (b) a minimal hand-written torch_xla SPMD loop with the
+same model, data, sharding, checkpointing, optimizer and schedule; (c) plain TRL ``SFTTrainer``
+with transformers' own XLA FSDPv2 path, which is reported with the reason it cannot run.
+Steady-state step time is measured after a warm-up; the table and ``bench.json`` go to
+``outputs/bench/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+OUT = Path("outputs/bench")
+
+
+def recipe_for(overrides: list[str], steps: int, name: str) -> Any:
+    from lowmem_tpu.recipe import load_recipe
+
+    return load_recipe(
+        "recipes/tiny_lora_cpu.yaml",
+        [
+            f"output_dir={OUT / name}",
+            f"train.max_steps={steps}",
+            f"train.logging_steps={steps // 3}",
+            "train.eval_samples=0",
+            "data.eval_path=null",
+            *overrides,
+        ],
+    )
+
+
+def run_sft(overrides: list[str], steps: int, index: int) -> float:
+    """Steady step time of the real command (mean over log intervals after warm-up)."""
+    from lowmem_tpu.sft import run_sft
+
+    run = run_sft(recipe_for(overrides, steps, f"sft-{index}"), overwrite=True)
+    return run.metrics["train"]["steady_step_time"]
+
+
+def run_floor(overrides: list[str], steps: int, warmup: int) -> float:
+    """The same training in a plain loop: no Trainer, no callbacks, one sync per step."""
+    import torch
+    import torch_xla.distributed.spmd as xs
+    from transformers import get_scheduler
+
+    from lowmem_tpu import data, modeling, runtime, sharding
+
+    recipe = recipe_for(overrides, steps, "floor")
+    rt = runtime.setup_runtime(recipe.runtime)
+    tokenizer = modeling.load_tokenizer(recipe.model)
+    rows, _ = data.build_dataset(recipe.data, tokenizer)
+    model = modeling.apply_lora(modeling.load_model(recipe.model, recipe.train.seed), recipe)
+    sharding.place_parameters(model, rt, recipe.sharding.strategy)
+    wrapped = sharding.wrap_model(model, recipe.sharding, rt)
+    params = [p for p in wrapped.parameters() if p.requires_grad]
+    t = recipe.train
+    optimizer = torch.optim.AdamW(params, lr=t.learning_rate, weight_decay=t.weight_decay)
+    schedule = get_scheduler(t.lr_scheduler, optimizer, num_warmup_steps=t.warmup_steps, num_training_steps=steps)
+    batch = t.global_batch_size
+    generator = torch.Generator().manual_seed(t.seed)
+    order = torch.randperm(len(rows), generator=generator).tolist()
+    wrapped.train()
+    started = None
+    for step in range(steps):
+        if step == warmup:
+            runtime.wait()
+            started = time.perf_counter()
+        index = [order[(step * batch + i) % len(order)] for i in range(batch)]
+        inputs = {k: v.to(rt.device) for k, v in data.collate([rows[i] for i in index]).items()}
+        for value in inputs.values():
+            xs.mark_sharding(value, rt.mesh, ("fsdp", None))
+        loss = wrapped(**inputs, use_cache=False).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+        runtime.sync()
+    runtime.wait()
+    return (time.perf_counter() - started) / (steps - warmup)
+
+
+def try_plain_trl(overrides: list[str]) -> str:
+    """Plain SFTTrainer on transformers' XLA FSDPv2 path: returns why it does not train."""
+    from peft import LoraConfig
+    from trl import SFTConfig, SFTTrainer
+
+    from lowmem_tpu import data, modeling
+
+    recipe = recipe_for(overrides, 4, "trl")
+    tokenizer = modeling.load_tokenizer(recipe.model)
+    rows, _ = data.build_dataset(recipe.data, tokenizer)
+    model = modeling.load_model(recipe.model, recipe.train.seed)
+    args = SFTConfig(
+        output_dir=str(OUT / "trl"),
+        max_steps=4,
+        per_device_train_batch_size=recipe.train.global_batch_size,
+        fsdp=["full_shard"],
+        fsdp_config={"xla": True, "xla_fsdp_v2": True, "xla_fsdp_grad_ckpt": True},
+        report_to=[],
+        dataset_kwargs={"skip_prepare_dataset": True},
+        remove_unused_columns=False,
+    )
+    lora = LoraConfig(r=recipe.lora.r, lora_alpha=recipe.lora.alpha, target_modules="all-linear")
+    try:
+        SFTTrainer(model=model, args=args, train_dataset=rows, peft_config=lora, data_collator=data.collate).train()
+    except Exception as err:  # the point is to report exactly what fails
+        return f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
+    return "ran"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+
+    from lowmem_tpu.runtime import configure_environment
+
+    configure_environment(recipe_for(args.overrides, args.steps, "x").runtime)
+    warmup = max(3, args.steps // 3 + 1)
+    times: dict[str, list[float]] = {"sft": [], "floor": []}
+    for index in range(args.rounds):
+        times["sft"].append(run_sft(args.overrides, args.steps, index))
+        times["floor"].append(run_floor(args.overrides, args.steps, warmup))
+        print(f"round {index + 1}: sft {times['sft'][-1]:.4f} s/step, floor {times['floor'][-1]:.4f} s/step")
+    trl = try_plain_trl(args.overrides)
+    best = {name: min(values) for name, values in times.items()}
+    result = {
+        "machine": f"{platform.machine()}, {__import__('os').cpu_count()} cores, {platform.python_version()}",
+        "steps": args.steps,
+        "overrides": args.overrides,
+        "step_time": times,
+        "best_step_time": best,
+        "ratio_sft_over_floor": best["sft"] / best["floor"],
+        "plain_trl_fsdpv2": trl,
+    }
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "bench.json").write_text(json.dumps(result, indent=2) + "\n")
+    print("\n| path | steady step time (best of rounds) |\n|---|---|")
+    print(f"| lowmem-tpu sft | {best['sft'] * 1000:.1f} ms |")
+    print(f"| hand-written SPMD loop (floor) | {best['floor'] * 1000:.1f} ms |")
+    print(f"| plain TRL SFTTrainer, XLA FSDPv2 | does not train: {trl} |")
+    print(f"\nratio sft / floor: {result['ratio_sft_over_floor']:.3f}  (written to {OUT / 'bench.json'})")
+
+
+if __name__ == "__main__":
+    main()
