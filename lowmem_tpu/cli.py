@@ -78,18 +78,91 @@ def sft(
     recipe: RecipeArg = None,
     overrides: OverridesArg = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing output_dir/final.")] = False,
+    force_resume: Annotated[
+        bool, typer.Option("--force-resume", help="Resume even if the recipe changed since the checkpoint.")
+    ] = False,
 ) -> None:
     """Supervised fine-tuning (LoRA or full) with FSDP over every XLA device."""
     try:
         loaded = _load(recipe, overrides)
         from lowmem_tpu.sft import run_sft
+        from lowmem_tpu.trainer import NonFiniteError
 
-        run_sft(loaded, overwrite=overwrite)
+        run = run_sft(loaded, overwrite=overwrite, force_resume=force_resume)
+    except NonFiniteError as err:
+        typer.echo(f"error: training diverged: {err}", err=True)
+        raise typer.Exit(1) from None
     except UserError as err:
         _fail(err)
     except KeyboardInterrupt:
         typer.echo("interrupted", err=True)
         raise typer.Exit(130) from None
+    if run.stopped == "SIGTERM":
+        raise typer.Exit(143)
+
+
+@app.command()
+def merge(
+    adapter_dir: Annotated[Path, typer.Argument(help="LoRA adapter directory (output_dir/final).", show_default=False)],
+    out: Annotated[Path, typer.Option("--out", help="Directory for the merged model.", show_default=False)],
+    base: Annotated[
+        str | None, typer.Option("--base", help="Base model path or Hub id (default: the one the adapter records).")
+    ] = None,
+    revision: Annotated[
+        str | None, typer.Option("--revision", help="Hub revision of the base (default: the recorded one).")
+    ] = None,
+    dtype: Annotated[str, typer.Option("--dtype", help="bfloat16 or float32.")] = "bfloat16",
+    force: Annotated[
+        bool, typer.Option("--force", help="Replace a non-empty --out; accept a base other than the recorded one.")
+    ] = False,
+) -> None:
+    """Merge a LoRA adapter into its base on the CPU; the result is checked against base + adapter."""
+    try:
+        from lowmem_tpu.merge import merge_adapter
+
+        merge_adapter(adapter_dir, out, base=base, revision=revision, dtype=dtype, force=force)
+    except UserError as err:
+        _fail(err)
+
+
+@app.command()
+def push(
+    directory: Annotated[
+        Path, typer.Argument(help="Adapter directory (output_dir/final) or merged model directory.", show_default=False)
+    ],
+    repo_id: Annotated[str, typer.Option("--repo-id", help="OWNER/NAME on the Hugging Face Hub.", show_default=False)],
+    private: Annotated[bool, typer.Option("--private", help="Create the repository as private.")] = False,
+    revision: Annotated[str, typer.Option("--revision", help="Branch to commit to (created if missing).")] = "main",
+    create: Annotated[bool, typer.Option("--create", help="Create the repository if it does not exist.")] = False,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="List the files and sizes that would be uploaded; no network.")
+    ] = False,
+    license: Annotated[
+        str | None, typer.Option("--license", help="License id for the model card, e.g. apache-2.0.")
+    ] = None,
+    base_model: Annotated[
+        str | None, typer.Option("--base-model", help="Hub id of the base, when the adapter records a local path.")
+    ] = None,
+) -> None:
+    """Push an adapter or merged model with a generated model card and its recipe, as one commit."""
+    try:
+        from lowmem_tpu.hub import format_plan
+        from lowmem_tpu.hub import push as push_directory
+
+        result = push_directory(
+            directory,
+            repo_id,
+            private=private,
+            revision=revision,
+            create=create,
+            dry_run=dry_run,
+            license=license,
+            base_model=base_model,
+        )
+    except UserError as err:
+        _fail(err)
+    typer.echo(format_plan(result))
+    typer.echo("dry run: nothing uploaded" if dry_run else f"pushed: {result.commit_url}")
 
 
 def main() -> None:

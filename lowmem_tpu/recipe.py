@@ -235,6 +235,26 @@ class TrainSection(Section):
     )
     max_new_tokens: int = Field(16, gt=0, description="Generation length for the exact-match evaluation.")
     seed: int = Field(42, description="Seed for initialisation, data order and dropout.")
+    save_steps: int | None = Field(
+        None, gt=0, description="Write a resumable checkpoint every N steps (trainable state, optimizer, RNG, data)."
+    )
+    keep_last: int = Field(2, gt=0, description="Complete checkpoints kept; older ones go once a newer one is done.")
+    resume: str = Field(
+        "auto", description="auto: continue from the latest complete checkpoint in output_dir; never; or a path."
+    )
+    max_wall_time: str | None = Field(
+        None, description="Save and stop cleanly before this much time has passed, e.g. 8h30m, 45m, 90s."
+    )
+    loss_spike_factor: float = Field(
+        5.0, ge=0, description="Warn when a logged loss exceeds this many times the running mean (0: never)."
+    )
+
+    @field_validator("max_wall_time")
+    @classmethod
+    def _duration(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_duration(value)
+        return value
 
 
 class HubSection(Section):
@@ -309,6 +329,17 @@ def cross_problems(recipe: Recipe) -> list[tuple[tuple[str, ...], str]]:
         message = "train.eval_steps: needs data.eval_path (without it nothing would be evaluated)"
         problems.append((("train.eval_steps", "data.eval_path"), message))
     return problems
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in a duration like ``8h30m``, ``45m``, ``90s`` or ``1h``."""
+    import re
+
+    match = re.fullmatch(r"\s*(?:(\d+)h)?\s*(?:(\d+)m)?\s*(?:(\d+)s)?\s*", str(text))
+    if not match or not any(match.groups()):
+        raise ValueError(f"{text!r} is not a duration like 8h30m, 45m or 90s")
+    hours, minutes, seconds = (int(g or 0) for g in match.groups())
+    return hours * 3600.0 + minutes * 60.0 + seconds
 
 
 def tpu_present() -> bool:

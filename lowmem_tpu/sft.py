@@ -48,10 +48,34 @@ class SftRun:
     final_dir: Path
     trainer: Any  # XlaSFTTrainer; ``trainer.fsdp_model`` is the trained, wrapped model
     names: Any  # export.ParamNames of the unwrapped model
+    stopped: str | None = None  # "SIGTERM" or "max_wall_time" when it saved and stopped early
 
 
-def run_sft(recipe: Recipe, overwrite: bool = False) -> SftRun:
-    """Train as the recipe says and write ``output_dir/final``."""
+def find_resume(recipe: Recipe, out: Path, force: bool) -> Path | None:
+    """The checkpoint this run continues from, after cleaning up half-written ones."""
+    from lowmem_tpu import checkpoint as ckpt
+    from lowmem_tpu.console import say
+
+    for stale in ckpt.remove_incomplete(out):
+        say(f"removed an incomplete checkpoint: {stale}")
+    resume = ckpt.resolve_resume(recipe.train.resume, out)
+    if resume is None:
+        return None
+    changes = ckpt.recipe_changes(resume, recipe.model_dump(mode="json"))
+    if changes and not force:
+        raise UserError(
+            [
+                f"train.resume: {resume} was trained with a different recipe:",
+                *(f"  {c}" for c in changes),
+                "resume with the same settings, set train.resume=never (start over), or pass --force-resume",
+            ]
+        )
+    say(f"resuming from {resume}" + (f" despite {len(changes)} changed settings" if changes else ""))
+    return resume
+
+
+def run_sft(recipe: Recipe, overwrite: bool = False, force_resume: bool = False) -> SftRun:
+    """Train as the recipe says and write ``output_dir/final`` (or a checkpoint, if stopped early)."""
     from lowmem_tpu.runtime import configure_environment
 
     started = time.perf_counter()
@@ -62,6 +86,7 @@ def run_sft(recipe: Recipe, overwrite: bool = False) -> SftRun:
     from lowmem_tpu.console import say
 
     say(f"checking the recipe: {modeling.check_model(recipe)}")
+    resume = find_resume(recipe, out, force_resume)
     say("loading tokenizer and data")
     tokenizer = modeling.load_tokenizer(recipe.model)
     train_ds, data_stats = data.build_dataset(recipe.data, tokenizer)
@@ -85,11 +110,19 @@ def run_sft(recipe: Recipe, overwrite: bool = False) -> SftRun:
     say(f"runtime: {runtime.describe()}, micro-batch {micro}")
     job = _build(recipe, runtime, tokenizer, train_ds, eval_ds, micro, out)
 
-    before = _evaluate(job, prompts, "before training")
+    before = _evaluate(job, prompts, "at resume" if resume else "before training")
     say(f"training {recipe.train.max_steps} steps")
     train_started = time.perf_counter()
-    result = job["trainer"].train()
+    result = _train(job, resume)
     train_seconds = time.perf_counter() - train_started
+    guard = job["guard"]
+    if guard.stop_reason:
+        where = getattr(job["trainer"], "last_checkpoint", None)
+        say(
+            f"stopped at step {job['trainer'].state.global_step} ({guard.stop_reason}); checkpoint saved in {where}. "
+            "Run the same command again to resume (train.resume: auto)."
+        )
+        return SftRun({}, where, job["trainer"], job["names"], stopped=guard.stop_reason)
     after = _evaluate(job, prompts, "after training")
 
     metrics = _metrics(recipe, runtime, job, data_stats, before, after, result, train_seconds)
@@ -107,12 +140,27 @@ def run_sft(recipe: Recipe, overwrite: bool = False) -> SftRun:
     return SftRun(metrics, final, job["trainer"], job["names"])
 
 
+def _train(job: dict[str, Any], resume: Path | None) -> Any:
+    """Run the trainer with SIGTERM turned into "save at the next step boundary, then stop"."""
+    import signal
+    import threading
+
+    handler_installed = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, job["guard"].request_stop) if handler_installed else None
+    try:
+        return job["trainer"].train(resume_from_checkpoint=str(resume) if resume else None)
+    finally:
+        if handler_installed:
+            signal.signal(signal.SIGTERM, previous)
+
+
 def _build(recipe: Recipe, runtime, tokenizer, train_ds, eval_ds, micro: int, out: Path) -> dict[str, Any]:
     from lowmem_tpu import modeling
     from lowmem_tpu.console import ProgressCallback, say
     from lowmem_tpu.export import ParamNames
+    from lowmem_tpu.recipe import parse_duration
     from lowmem_tpu.sharding import place_parameters
-    from lowmem_tpu.trainer import MetricsCallback, XlaSFTTrainer, training_args
+    from lowmem_tpu.trainer import GuardCallback, MetricsCallback, XlaSFTTrainer, training_args
 
     init = ", random init" if recipe.model.random_init else ""
     say(f"loading {recipe.model.name_or_path} ({recipe.model.dtype}{init})")
@@ -126,23 +174,27 @@ def _build(recipe: Recipe, runtime, tokenizer, train_ds, eval_ds, micro: int, ou
     place_parameters(model, runtime, recipe.sharding.strategy)
     names = ParamNames(model)
     metrics_cb = MetricsCallback()
+    t = recipe.train
+    guard = GuardCallback(parse_duration(t.max_wall_time) if t.max_wall_time else None, t.loss_spike_factor, say)
     flops = modeling.flops_per_token(model.config, total, trainable, recipe.data.max_length, recipe.lora.enabled)
     trainer = XlaSFTTrainer(
         recipe=recipe,
         runtime=runtime,
+        names=names,
         flops_per_token=flops,
         model=model,
         args=training_args(recipe, micro),
         train_dataset=train_ds,
         eval_dataset=eval_ds,
         processing_class=tokenizer,
-        callbacks=[metrics_cb, ProgressCallback()],
+        callbacks=[metrics_cb, guard, ProgressCallback()],
     )
     return {
         "model": model,
         "names": names,
         "trainer": trainer,
         "metrics_cb": metrics_cb,
+        "guard": guard,
         "base": base,
         "params": (trainable, total),
         "micro": micro,

@@ -46,6 +46,13 @@ def place_parameters(model: nn.Module, runtime: Runtime, strategy: str) -> None:
             module._buffers[name] = buf.to(runtime.device)
 
 
+def shard_like(tensor: torch.Tensor, param: torch.Tensor, runtime: Runtime, strategy: str) -> None:
+    """Give a device tensor shaped like ``param`` (e.g. its optimizer state) the same sharding."""
+    import torch_xla.distributed.spmd as xs
+
+    xs.mark_sharding(tensor, runtime.mesh, partition_spec(param.shape, strategy))
+
+
 def layer_class(model: nn.Module, name: str | None) -> type[nn.Module]:
     """The decoder layer class to wrap: ``name``, or the model's own ``_no_split_modules``."""
     names = [name] if name else list(getattr(_base(model), "_no_split_modules", None) or [])

@@ -13,17 +13,21 @@ per-step ``.item()`` calls would cut every step's graph in two and sync the host
 
 from __future__ import annotations
 
+import math
+import shutil
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import TrainerCallback
 from trl import SFTConfig, SFTTrainer
 
+from lowmem_tpu import checkpoint as ckpt
 from lowmem_tpu import runtime as rt
 from lowmem_tpu.data import collate
 from lowmem_tpu.recipe import Recipe
-from lowmem_tpu.sharding import wrap_model
+from lowmem_tpu.sharding import shard_like, wrap_model
 
 OPTIMIZERS = {"adamw": "adamw_torch", "adafactor": "adafactor"}
 
@@ -46,7 +50,8 @@ def training_args(recipe: Recipe, micro_batch: int) -> SFTConfig:
         logging_steps=t.logging_steps,
         eval_strategy="steps" if t.eval_steps and recipe.data.eval_path else "no",
         eval_steps=t.eval_steps,
-        save_strategy="no",
+        save_strategy="steps" if t.save_steps else "no",
+        save_steps=t.save_steps or 500,
         report_to=[],
         seed=t.seed,
         data_seed=t.seed,
@@ -66,9 +71,18 @@ def training_args(recipe: Recipe, micro_batch: int) -> SFTConfig:
 class XlaSFTTrainer(SFTTrainer):
     """SFTTrainer whose model is wrapped by :func:`lowmem_tpu.sharding.wrap_model`."""
 
-    def __init__(self, *, recipe: Recipe, runtime: rt.Runtime, flops_per_token: float | None = None, **kwargs: Any):
+    def __init__(
+        self,
+        *,
+        recipe: Recipe,
+        runtime: rt.Runtime,
+        names: Any,
+        flops_per_token: float | None = None,
+        **kwargs: Any,
+    ):
         self.recipe = recipe
         self.runtime = runtime
+        self.names = names  # export.ParamNames: clean names of the parameters, taken before wrapping
         self.flops_per_token = flops_per_token
         self._fsdp_model: torch.nn.Module | None = None
         self._totals: dict[str, torch.Tensor] = {}
@@ -77,7 +91,21 @@ class XlaSFTTrainer(SFTTrainer):
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         self._last_log = (time.perf_counter(), {"step": self.state.global_step})
+        self._batches_just_fetched = 0
         return super().train(*args, **kwargs)
+
+    def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> Any:
+        batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
+        self._batches_just_fetched = len(batches)
+        return batches, num_items
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        # On resume the Trainer restores the RNG after fetching the step's batches, but torch_xla's
+        # device loader advances the XLA seed once per batch (it cuts a graph per batch): replay
+        # those advances so dropout draws exactly what the uninterrupted run drew.
+        super()._load_rng_state(checkpoint)
+        for _ in range(self._batches_just_fetched if checkpoint else 0):
+            rt.sync()
 
     # Traps 1 and 3: our FSDPv2 wrapping (once, for train and eval), then the optimizer.
     def _wrap_model(self, model: torch.nn.Module, training: bool = True, dataloader: Any = None) -> torch.nn.Module:
@@ -161,6 +189,96 @@ class XlaSFTTrainer(SFTTrainer):
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         raise RuntimeError("trap 5: use lowmem_tpu.export to save, trainer.save_model loses the LoRA adapter")
+
+    # Checkpoints: our own format (clean names, sharded optimizer state), the Trainer's RNG and state files.
+    def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
+        step = self.state.global_step
+        partial = ckpt.checkpoints_dir(self.args.output_dir) / f"step-{step}.partial"
+        if partial.exists():
+            shutil.rmtree(partial)
+        partial.mkdir(parents=True)
+        trainable = {n: p for n, p in self.names.params.items() if p.requires_grad}
+        host = ckpt.host_tree(trainable)
+        bad = [n for n, v in host.items() if not torch.isfinite(v).all()]
+        if bad:
+            shutil.rmtree(partial)
+            raise NonFiniteError(f"step {step}: non-finite values in {bad[0]}; no checkpoint written")
+        ckpt.save_trainable(host, partial)
+        torch.save(ckpt.host_tree(self.optimizer.state_dict()), partial / ckpt.OPTIMIZER)
+        torch.save(self.lr_scheduler.state_dict(), partial / ckpt.SCHEDULER)
+        self._save_rng_state(str(partial))
+        self.state.save_to_json(str(partial / "trainer_state.json"))
+        (partial / ckpt.RECIPE).write_text(self.recipe.to_yaml())
+        self.last_checkpoint = ckpt.finish(partial, self.recipe.train.keep_last)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        strategy = self.recipe.sharding.strategy
+        with torch.no_grad():
+            for name, value in ckpt.load_trainable(Path(resume_from_checkpoint)).items():
+                param = self.names.params[name]
+                param.copy_(value.to(param.device))
+                shard_like(param, param, self.runtime, strategy)
+        rt.sync()
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None:
+            return
+        path = Path(checkpoint)
+        self.optimizer.load_state_dict(torch.load(path / ckpt.OPTIMIZER, weights_only=True))
+        for group in self.optimizer.param_groups:
+            for param in group["params"]:
+                for value in self.optimizer.state.get(param, {}).values():
+                    if isinstance(value, torch.Tensor) and value.device.type == "xla" and value.shape == param.shape:
+                        shard_like(value, param, self.runtime, self.recipe.sharding.strategy)
+        self.lr_scheduler.load_state_dict(torch.load(path / ckpt.SCHEDULER, weights_only=True))
+        rt.sync()
+
+
+class NonFiniteError(RuntimeError):
+    """Training produced NaN or Inf; the run stops without writing anything non-finite."""
+
+
+class GuardCallback(TrainerCallback):
+    """Stops on SIGTERM or before ``train.max_wall_time`` (saving first), and on non-finite losses."""
+
+    def __init__(self, max_wall_seconds: float | None, spike_factor: float, warn: Any) -> None:
+        self.deadline = time.monotonic() + max_wall_seconds if max_wall_seconds else None
+        self.spike_factor = spike_factor
+        self.warn = warn
+        self.stop_reason: str | None = None
+        self.losses: list[float] = []
+        self.last_step_end = time.monotonic()
+        self.slowest = 0.0
+
+    def request_stop(self, signum: int, frame: Any) -> None:
+        """Signal handler: only sets a flag; the save happens at the next step boundary."""
+        self.stop_reason = "SIGTERM"
+
+    def on_step_end(self, args, state, control, **kwargs) -> None:
+        now = time.monotonic()
+        self.slowest = max(self.slowest * 0.9, now - self.last_step_end)
+        self.last_step_end = now
+        # Leave room for a few more steps and a checkpoint before the deadline.
+        if self.deadline and self.stop_reason is None and now + 3 * self.slowest + 30 > self.deadline:
+            self.stop_reason = "max_wall_time"
+        if self.stop_reason:
+            control.should_save = True
+            control.should_training_stop = True
+
+    def on_log(self, args, state, control, logs=None, **kwargs) -> None:
+        logs = logs or {}
+        for key in ("loss", "grad_norm"):
+            value = logs.get(key)
+            if value is not None and not math.isfinite(value):
+                raise NonFiniteError(f"step {state.global_step}: {key} is {value}; stopped, no checkpoint written")
+        loss = logs.get("loss")
+        if loss is None:
+            return
+        if self.spike_factor and len(self.losses) >= 3 and state.global_step > args.warmup_steps:
+            mean = sum(self.losses[-20:]) / len(self.losses[-20:])
+            if loss > self.spike_factor * mean:
+                self.warn(f"warning: loss spike at step {state.global_step}: {loss:.4f} vs running mean {mean:.4f}")
+        self.losses.append(loss)
 
 
 class MetricsCallback(TrainerCallback):

@@ -145,3 +145,39 @@ def test_full_finetuning_changes_every_parameter_and_saves_a_loadable_model(full
     assert run.metrics["trainable_parameters"] == run.metrics["total_parameters"]
     assert run.metrics["micro_batch_size"] == 8  # 16 samples in 2 accumulation steps
     assert run.metrics["compiles"]["after_warmup"] == 0
+
+
+def test_nonfinite_weights_never_reach_a_checkpoint(lora_run):
+    from lowmem_tpu.trainer import NonFiniteError
+
+    recipe, run = lora_run
+    name = next(n for n in run.names.params if "lora_B" in n)
+    param = run.names.params[name]
+    kept = param.detach().cpu().clone()
+    with torch.no_grad():
+        param.fill_(float("nan"))
+    try:
+        with pytest.raises(NonFiniteError, match=f"step {run.trainer.state.global_step}: non-finite"):
+            run.trainer._save_checkpoint(run.trainer.fsdp_model, None)
+    finally:
+        with torch.no_grad():
+            param.copy_(kept.to(param.device))
+    checkpoints = Path(recipe.output_dir) / "checkpoints"
+    assert not checkpoints.exists() or not any(checkpoints.iterdir())
+
+
+def test_guard_stops_on_nonfinite_loss_and_warns_on_spikes(tmp_path):
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+
+    from lowmem_tpu.trainer import GuardCallback, NonFiniteError
+
+    warnings: list[str] = []
+    guard = GuardCallback(None, 5.0, warnings.append)
+    args, control, state = TrainingArguments(output_dir=str(tmp_path), report_to=[]), TrainerControl(), TrainerState()
+    for step, loss in enumerate([2.0, 2.1, 1.9, 2.0, 30.0], start=1):
+        state.global_step = step
+        guard.on_log(args, state, control, logs={"loss": loss, "grad_norm": 1.0})
+    assert warnings == ["warning: loss spike at step 5: 30.0000 vs running mean 2.0000"]
+    state.global_step = 6
+    with pytest.raises(NonFiniteError, match="step 6: grad_norm is inf"):
+        guard.on_log(args, state, control, logs={"loss": 2.0, "grad_norm": float("inf")})

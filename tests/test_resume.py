@@ -1,0 +1,142 @@
+"""Checkpoints and exact resume through the real CLI: SIGTERM, half-written saves, changed recipes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+pytestmark = pytest.mark.slow
+
+RUN = [
+    "train.max_steps=8",
+    "train.logging_steps=1",
+    "train.global_batch_size=16",
+    "train.gradient_accumulation_steps=2",  # SIGTERM usually lands between two micro-batches
+    "train.save_steps=2",
+    "train.keep_last=2",
+    "train.eval_samples=0",
+    "data.eval_path=null",
+    "lora.dropout=0.1",  # dropout draws from the XLA RNG, which the checkpoint must restore
+]
+
+
+FAKE_TOKEN = "hf_lowmemTestTokenNeverWritten0123456789"
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("PJRT_DEVICE", "CPU_NUM_DEVICES")}
+    return env | {"PYTHONUNBUFFERED": "1", "HF_TOKEN": FAKE_TOKEN}
+
+
+def _assert_no_token(root: Path, *outputs: str) -> None:
+    for text in outputs:
+        assert FAKE_TOKEN not in text
+    for path in root.rglob("*"):
+        if path.is_file():
+            assert FAKE_TOKEN.encode() not in path.read_bytes(), path
+
+
+def _cmd(out: Path, *extra: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "lowmem_tpu.cli",
+        "sft",
+        "recipes/tiny_lora_cpu.yaml",
+        f"output_dir={out}",
+        *RUN,
+        *extra,
+    ]
+
+
+def _losses(out: Path) -> dict[int, float]:
+    metrics = json.loads((out / "final" / "metrics.json").read_text())
+    return {e["step"]: e["loss"] for e in metrics["train"]["losses"]}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("whole")
+    proc = subprocess.run(_cmd(out), capture_output=True, text=True, env=_env(), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+def test_sigterm_saves_and_resume_is_exact(uninterrupted, tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.Popen(_cmd(out), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    for line in proc.stdout:
+        if line.startswith("step 3/8"):
+            proc.send_signal(signal.SIGTERM)
+            break
+    stdout = "".join(proc.stdout)
+    assert proc.wait(timeout=300) == 143, proc.stderr.read()[-3000:]
+    assert "Run the same command again to resume" in stdout
+    saved = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert saved and all((out / "checkpoints" / name / "COMPLETE").exists() for name in saved)
+    assert not (out / "final").exists()
+
+    # What a SIGKILL in the middle of a save leaves behind: ignored, then cleaned up.
+    half = out / "checkpoints" / "step-99.partial"
+    half.mkdir()
+    (half / "trainable.safetensors").write_bytes(b"truncated")
+
+    resumed = subprocess.run(_cmd(out), capture_output=True, text=True, env=_env(), timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resuming from {out / 'checkpoints' / saved[-1]}" in resumed.stdout
+    assert "removed an incomplete checkpoint" in resumed.stdout and not half.exists()
+    assert len(list((out / "checkpoints").iterdir())) == 2  # keep_last
+
+    whole, after = _losses(uninterrupted), _losses(out)
+    first = int(saved[-1].removeprefix("step-")) + 1
+    assert sorted(after) == list(range(first, 9))
+    for step, loss in after.items():
+        assert loss == pytest.approx(whole[step], abs=1e-6), (step, loss, whole[step])
+    a = load_file(str(uninterrupted / "final" / "adapter_model.safetensors"))
+    b = load_file(str(out / "final" / "adapter_model.safetensors"))
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.allclose(a[key], b[key], atol=1e-6, rtol=0), key
+    _assert_no_token(out, stdout, resumed.stdout, resumed.stderr)
+
+
+def test_resume_with_a_changed_recipe_is_refused_with_a_diff(tmp_path):
+    out = tmp_path / "run"
+    first = subprocess.run(_cmd(out, "train.max_steps=2"), capture_output=True, text=True, env=_env(), timeout=600)
+    assert first.returncode == 0, first.stderr[-3000:]
+    (out / "final").rename(out / "final-old")  # keep the checkpoint, clear the finished result
+    changed = subprocess.run(_cmd(out, "lora.r=8"), capture_output=True, text=True, env=_env(), timeout=600)
+    assert changed.returncode == 2
+    assert "lora.r: 16 -> 8" in changed.stderr and "--force-resume" in changed.stderr
+    assert "Traceback" not in changed.stderr
+
+
+def test_max_wall_time_saves_and_stops_cleanly(tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.run(_cmd(out, "train.max_wall_time=5s"), capture_output=True, text=True, env=_env(), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "(max_wall_time)" in proc.stdout
+    assert any((p / "COMPLETE").exists() for p in (out / "checkpoints").iterdir())
+
+
+def test_bad_data_fails_before_loading_and_leaves_output_intact(tmp_path):
+    out = tmp_path / "run"
+    (out / "final").mkdir(parents=True)
+    (out / "final" / "keep.txt").write_text("an earlier result")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"messages": []}\n{"messages": [ oops\n')
+    proc = subprocess.run(
+        _cmd(out, f"data.path={bad}", "--overwrite"), capture_output=True, text=True, env=_env(), timeout=600
+    )
+    assert proc.returncode == 2
+    assert f"{bad}" in proc.stderr and "line 2" in proc.stderr
+    assert "Traceback" not in proc.stderr and "loading builtin:tiny-llama" not in proc.stdout
+    assert (out / "final" / "keep.txt").read_text() == "an earlier result"
