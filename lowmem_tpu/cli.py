@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from lowmem_tpu.errors import UserError
+from lowmem_tpu.errors import NonFiniteError, UserError
 from lowmem_tpu.recipe import Recipe, load_recipe
 
 app = typer.Typer(
@@ -86,7 +86,6 @@ def sft(
     try:
         loaded = _load(recipe, overrides)
         from lowmem_tpu.sft import run_sft
-        from lowmem_tpu.trainer import NonFiniteError
 
         run = run_sft(loaded, overwrite=overwrite, force_resume=force_resume)
     except NonFiniteError as err:
@@ -163,6 +162,60 @@ def push(
         _fail(err)
     typer.echo(format_plan(result))
     typer.echo("dry run: nothing uploaded" if dry_run else f"pushed: {result.commit_url}")
+
+
+@app.command()
+def memory(
+    recipe: RecipeArg = None,
+    overrides: OverridesArg = None,
+    device: Annotated[
+        str | None,
+        typer.Option(
+            "--device",
+            help="v2-8, v3-8, v4-8, v5e-1, v5e-8, v5p-8, v6e-8 or cpu (default: cpu for a CPU recipe, else v3-8).",
+            show_default=False,
+        ),
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the plans as JSON (bytes).")] = False,
+) -> None:
+    """Plan per-device memory of the recipe and its twin (LoRA <-> full); say what to turn on if it does not fit."""
+    try:
+        loaded = _load(recipe, overrides)
+        from lowmem_tpu.memory import format_report, plan_recipe, report_json
+
+        report = plan_recipe(loaded, device or ("cpu" if loaded.runtime.device == "cpu" else "v3-8"))
+    except UserError as err:
+        _fail(err)
+    if as_json:
+        import json
+
+        typer.echo(json.dumps(report_json(report), indent=2))
+    else:
+        typer.echo(format_report(report))
+
+
+@app.command()
+def compare(
+    recipe: RecipeArg = None,
+    overrides: OverridesArg = None,
+    steps: Annotated[
+        int, typer.Option("--steps", min=3, help="Real steps per mode on a TPU (on the CPU one step is compiled).")
+    ] = 5,
+    out: Annotated[
+        Path | None,
+        typer.Option("--out", help="Where compare.json and compare.png go (default: output_dir/compare)."),
+    ] = None,
+) -> None:
+    """LoRA vs full fine-tuning per device: planned beside measured (TPU runtime peak, or the CPU compiler's)."""
+    try:
+        loaded = _load(recipe, overrides)
+        from lowmem_tpu.compare import compare_recipe, format_compare
+
+        result = compare_recipe(loaded, steps, out or Path(loaded.output_dir) / "compare")
+    except UserError as err:
+        _fail(err)
+    typer.echo(format_compare(result))
+    typer.echo(f"wrote {Path(result['chart']).parent / 'compare.json'} and {result['chart']}")
 
 
 def main() -> None:

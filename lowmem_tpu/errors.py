@@ -9,3 +9,7 @@ class UserError(Exception):
     def __init__(self, problems: list[str] | str):
         self.problems = [problems] if isinstance(problems, str) else list(problems)
         super().__init__("\n".join(self.problems))
+
+
+class NonFiniteError(RuntimeError):
+    """Training produced NaN or Inf; the run stops without writing anything non-finite (exit 1)."""

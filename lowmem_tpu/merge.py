@@ -5,15 +5,19 @@ merge copies one layer at a time), so the process holds one copy of the weights 
 saving, one safetensors shard. The check reloads the written directory only after that copy
 is freed, so it tests the files a user will load, not the objects in memory.
 
-Every cheap check (adapter files, ``--out``, the recorded base) runs before torch is imported.
+Every cheap check (adapter files, ``--out``, the recorded base, shapes on a ``meta`` model) runs before
+any weights are loaded.
 """
 
 from __future__ import annotations
 
 import gc
 import json
+import os
 import shutil
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,9 +35,11 @@ PROMPTS = (
     "reverse abcde",
     "Once upon a time, in a small village,",
 )
-# max |merged - (base + adapter)| over every logit, divided by max |base + adapter|. In float32 the two
-# differ only by summation order; in bfloat16 the merged weight W + BA is rounded to 8 mantissa bits,
-# while the unmerged model adds BAx to Wx, so a larger gap is expected and allowed.
+# max |merged - (base + adapter)| over every logit, divided by max |base + adapter|, both computed in
+# float32 (see float32_compute). In float32 the two differ only by summation order (measured ~1e-6). In
+# bfloat16 the merged weight W + BA is rounded to 8 mantissa bits while the reference keeps BA apart:
+# measured 3e-3 (test adapter) and 1.6e-2 (the demo's adapter, whose BA is large next to a random W);
+# dropping the adapter altogether moves the logits by 0.5-1.2, far outside the tolerance.
 TOLERANCE = {"float32": 1e-4, "bfloat16": 5e-2}
 LORA_PREFIX = "base_model.model."
 LORA_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
@@ -209,14 +215,15 @@ def _load_base_config(choice: BaseChoice) -> Any:
 
 
 def _load_causal_lm(source: str, revision: str | None, dtype: Any) -> Any:
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
     from lowmem_tpu.modeling import resolve_source
 
     try:
         model = AutoModelForCausalLM.from_pretrained(resolve_source(source), revision=revision, dtype=dtype)
-    except (OSError, ValueError) as err:
-        raise UserError(f"cannot load the model {source!r}: {err}") from None
+    except (OSError, ValueError, RuntimeError, SafetensorError) as err:
+        raise UserError(f"cannot load the model {source!r}: {type(err).__name__}: {err}") from None
     return model.eval()
 
 
@@ -243,11 +250,47 @@ def prompt_ids(tokenizer: Any) -> list[Any]:
 
 
 def logits(model: Any, rows: list[Any]) -> list[Any]:
-    """float32 logits of each prompt row, on the host."""
+    """Logits of each prompt row, computed in float32 whatever the weights' dtype."""
     import torch
 
-    with torch.no_grad():
+    with torch.no_grad(), float32_compute(model):
         return [model(input_ids=row).logits.float() for row in rows]
+
+
+@contextmanager
+def float32_compute(model: Any) -> Iterator[None]:
+    """Run ``model`` in float32 without a float32 copy of it.
+
+    Each module's own parameters are upcast just before it runs, and their original tensors put
+    back right after, so one module at a time is held in float32 and weights that ``from_pretrained``
+    left memory-mapped stay so. Two bf16 models compared this way differ by their weights, not by
+    bf16 arithmetic noise.
+    """
+    import torch
+
+    originals: dict[Any, Any] = {}
+
+    def cast(value: Any) -> Any:
+        return value.float() if torch.is_tensor(value) and value.is_floating_point() else value
+
+    def up(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        for p in module.parameters(recurse=False):
+            originals[p] = p.data
+            p.data = p.data.float()
+        return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
+
+    def down(module: Any, args: tuple, output: Any) -> None:
+        for p in module.parameters(recurse=False):
+            p.data = originals.pop(p)
+
+    owners = [m for m in model.modules() if next(m.parameters(recurse=False), None) is not None]
+    handles = [m.register_forward_pre_hook(up, with_kwargs=True) for m in owners]
+    handles += [m.register_forward_hook(down) for m in owners]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def compare(reference: list[Any], merged: list[Any], dtype: str) -> dict[str, Any]:
@@ -258,7 +301,8 @@ def compare(reference: list[Any], merged: list[Any], dtype: str) -> dict[str, An
     tokens = sum(r.shape[1] for r in reference)
     relative = diff / max(scale, 1e-12)
     return {
-        "metric": "max |merged - (base + adapter)| / max |base + adapter| over the logits of every prompt token",
+        "metric": "max |merged - (base + adapter)| / max |base + adapter| over the logits of every prompt token, "
+        "computed in float32",
         "prompts": list(PROMPTS),
         "tokens": tokens,
         "max_abs_diff": diff,
@@ -300,11 +344,7 @@ def merge_adapter(
     check_out_dir(out, protected, force)
     started = time.perf_counter()
 
-    from lowmem_tpu.recipe import RuntimeSection
-    from lowmem_tpu.runtime import configure_environment, quiet_python_warnings
-
-    configure_environment(RuntimeSection(device="cpu", num_cpu_devices=1))  # the merge never touches XLA
-    quiet_python_warnings()
+    _cpu_only()
     from lowmem_tpu.console import say
 
     check_adapter_tensors(adapter_dir, _load_base_config(choice))
@@ -315,6 +355,7 @@ def merge_adapter(
         tokenizer = _tokenizer(adapter_dir, choice)
         rows = prompt_ids(tokenizer)
         reference = _merge_into(adapter_dir, choice, dtype, rows, partial, max_shard_size)
+        gc.collect()  # model objects hold reference cycles: free the merged copy before loading the written one
         say("reloading the merged model from disk to check it")
         check = compare(reference, logits(_load_causal_lm(str(partial), None, _dtype(dtype)), rows), dtype)
         gc.collect()
@@ -337,6 +378,16 @@ def merge_adapter(
             shutil.rmtree(partial)
     say(f"merged model written to {out}: logits match base + adapter within {check['relative_diff']:.1e}")
     return MergeResult(out, files, check)
+
+
+def _cpu_only() -> None:
+    """Merging and load checks run on the host CPU. transformers imports torch_xla: in a process of
+    its own, keep it off the TPU (in a training process the runtime has already chosen)."""
+    from lowmem_tpu.runtime import quiet_python_warnings
+
+    os.environ.setdefault("PJRT_DEVICE", "CPU")
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    quiet_python_warnings()
 
 
 def _dtype(name: str) -> Any:
@@ -380,3 +431,38 @@ def _report(adapter_dir, config, choice, dtype, files, check, started) -> dict[s
         "check": check,
         "seconds": round(time.perf_counter() - started, 1),
     }
+
+
+def verify_loads(directory: Path, kind: str) -> str:
+    """Load an adapter onto its recorded base, or a model directory, on the CPU; one forward pass must be finite.
+
+    Returns a one-line description; raises UserError when the directory does not load.
+    """
+    _cpu_only()
+    import torch
+
+    if kind == "adapter":
+        config = read_adapter_config(directory)
+        if _looks_missing_path(config["base_model_name_or_path"]):
+            raise UserError(
+                f"cannot check that {directory} loads: its base, {config['base_model_name_or_path']}, is not on "
+                "this machine; push from where the base is (or restore it at that path)"
+            )
+        choice = choose_base(config, directory, None, None, force=False)
+        check_adapter_tensors(directory, _load_base_config(choice))
+        from peft import PeftModel
+
+        try:
+            model = PeftModel.from_pretrained(_load_causal_lm(choice.source, choice.revision, "auto"), str(directory))
+        except (RuntimeError, ValueError) as err:
+            raise UserError(f"{directory} does not load onto {choice.source}: {err}") from None
+        what = f"the adapter loads onto {choice.source}"
+    else:
+        model = _load_causal_lm(str(directory), None, "auto")
+        what = f"{directory} loads with AutoModelForCausalLM"
+    vocab = model.get_input_embeddings().weight.shape[0]
+    out = logits(model.eval(), [torch.arange(min(8, vocab)).unsqueeze(0)])[0]
+    if not torch.isfinite(out).all():
+        raise UserError(f"{directory} loads but its logits hold NaN or Inf; it was not pushed")
+    params = sum(p.numel() for p in model.parameters())
+    return f"checked: {what} ({params:,} parameters, finite logits)"

@@ -81,6 +81,10 @@ def run_sft(recipe: Recipe, overwrite: bool = False, force_resume: bool = False)
     started = time.perf_counter()
     out = prepare_output(recipe, overwrite)
     configure_environment(recipe.runtime)  # before transformers imports torch_xla
+    if recipe.hub.push:
+        from lowmem_tpu.hub import check_push_ready
+
+        check_push_ready(recipe)  # a missing, rejected or read-only token fails now, not after training
 
     from lowmem_tpu import data, modeling
     from lowmem_tpu.console import say
@@ -137,6 +141,10 @@ def run_sft(recipe: Recipe, overwrite: bool = False, force_resume: bool = False)
 
     write_json(final / "metrics.json", metrics)
     _summary(recipe, metrics, final)
+    if recipe.hub.push:
+        from lowmem_tpu.hub import push_after_training
+
+        say(f"pushed {final} to {recipe.hub.repo_id}: {push_after_training(final, recipe)}")
     return SftRun(metrics, final, job["trainer"], job["names"])
 
 
@@ -248,7 +256,7 @@ def _evaluate(job: dict[str, Any], prompts, label: str) -> dict[str, Any]:
 
 
 def _metrics(recipe, runtime, job, data_stats, before, after, result, train_seconds) -> dict[str, Any]:
-    from lowmem_tpu.runtime import cache_stats, compile_count
+    from lowmem_tpu.runtime import cache_stats, compile_count, compile_seconds
 
     cb = job["metrics_cb"]
     steps = recipe.train.max_steps
@@ -286,6 +294,7 @@ def _metrics(recipe, runtime, job, data_stats, before, after, result, train_seco
             "during_warmup": by_step.get(warmup, 0),
             "after_warmup": by_step.get(steps, 0) - by_step.get(warmup, 0),
             "total": compile_count(),
+            "seconds": round(compile_seconds(), 2),
             "persistent_cache": {"dir": runtime.compile_cache_dir, **cache_stats()},
         },
         "time": {"train_seconds": round(train_seconds, 1)},

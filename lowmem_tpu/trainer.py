@@ -26,6 +26,7 @@ from trl import SFTConfig, SFTTrainer
 from lowmem_tpu import checkpoint as ckpt
 from lowmem_tpu import runtime as rt
 from lowmem_tpu.data import collate
+from lowmem_tpu.errors import NonFiniteError
 from lowmem_tpu.recipe import Recipe
 from lowmem_tpu.sharding import shard_like, wrap_model
 
@@ -61,6 +62,7 @@ def training_args(recipe: Recipe, micro_batch: int) -> SFTConfig:
         fsdp_config={"xla": True, "xla_fsdp_v2": True, "xla_fsdp_grad_ckpt": False},
         dataset_kwargs={"skip_prepare_dataset": True},
         remove_unused_columns=False,
+        dataloader_pin_memory=False,  # nothing to pin for XLA; torchax (scan_layers) breaks pinning
         dataloader_drop_last=True,  # a short last batch would be a new shape, hence a recompilation
         disable_tqdm=True,
         max_length=recipe.data.max_length,
@@ -234,10 +236,6 @@ class XlaSFTTrainer(SFTTrainer):
         rt.sync()
 
 
-class NonFiniteError(RuntimeError):
-    """Training produced NaN or Inf; the run stops without writing anything non-finite."""
-
-
 class GuardCallback(TrainerCallback):
     """Stops on SIGTERM or before ``train.max_wall_time`` (saving first), and on non-finite losses."""
 
@@ -312,5 +310,5 @@ class MetricsCallback(TrainerCallback):
 
     def warmup_end(self, max_steps: int) -> int:
         """Warm-up lasts until the step after the first log and the first evaluation."""
-        marks = [2] + [s + 1 for s in (self.first_log_step, self.first_eval_step) if s is not None]
+        marks = [3] + [s + 1 for s in (self.first_log_step, self.first_eval_step) if s is not None]
         return min(max(marks), max_steps)

@@ -148,7 +148,7 @@ def test_full_finetuning_changes_every_parameter_and_saves_a_loadable_model(full
 
 
 def test_nonfinite_weights_never_reach_a_checkpoint(lora_run):
-    from lowmem_tpu.trainer import NonFiniteError
+    from lowmem_tpu.errors import NonFiniteError
 
     recipe, run = lora_run
     name = next(n for n in run.names.params if "lora_B" in n)
@@ -169,7 +169,8 @@ def test_nonfinite_weights_never_reach_a_checkpoint(lora_run):
 def test_guard_stops_on_nonfinite_loss_and_warns_on_spikes(tmp_path):
     from transformers import TrainerControl, TrainerState, TrainingArguments
 
-    from lowmem_tpu.trainer import GuardCallback, NonFiniteError
+    from lowmem_tpu.errors import NonFiniteError
+    from lowmem_tpu.trainer import GuardCallback
 
     warnings: list[str] = []
     guard = GuardCallback(None, 5.0, warnings.append)

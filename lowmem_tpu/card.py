@@ -1,0 +1,252 @@
+"""The model card (README.md) pushed with a run: Hub metadata plus what was trained, how, and how well.
+
+Everything comes from the files a run leaves beside its weights: ``recipe.yaml``,
+``metrics.json``, ``adapter_config.json`` and, for a merged model, ``merge.json``. A missing
+file only shortens the card.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from lowmem_tpu.export import ADAPTER_CONFIG
+from lowmem_tpu.recipe import BUILTIN, looks_local
+
+PROJECT = "lowmem-tpu"
+
+
+def hub_id(value: str | None) -> str | None:
+    """``value`` if it names a Hub repository (not a local path, not a ``builtin:`` asset)."""
+    if not value or value.startswith(BUILTIN) or looks_local(value) or value.count("/") != 1:
+        return None
+    return value
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _sources(directory: Path) -> dict[str, dict[str, Any]]:
+    from lowmem_tpu.merge import MERGE_REPORT, read_recipe_data
+
+    return {
+        "recipe": read_recipe_data(directory),
+        "metrics": _read_json(directory / "metrics.json"),
+        "adapter": _read_json(directory / ADAPTER_CONFIG),
+        "merge": _read_json(directory / MERGE_REPORT),
+    }
+
+
+def _base_name(src: dict[str, dict[str, Any]]) -> str | None:
+    return (
+        src["adapter"].get("base_model_name_or_path")
+        or src["merge"].get("base")
+        or src["recipe"].get("model", {}).get("name_or_path")
+    )
+
+
+def metadata(src: dict[str, dict[str, Any]], kind: str, license: str | None, base_model: str | None) -> str:
+    """The YAML block of the card (Hub metadata)."""
+    from huggingface_hub import ModelCardData
+
+    mode = src["metrics"].get("mode") or ("lora" if kind == "adapter" or src["merge"] else "full")
+    tags = [PROJECT, "sft", "lora" if mode == "lora" else "full-fine-tuning"]
+    if src["merge"]:
+        tags.append("merged-lora")
+    dataset = hub_id(src["recipe"].get("data", {}).get("path"))
+    data = ModelCardData(
+        base_model=base_model or hub_id(_base_name(src)),
+        library_name="peft" if kind == "adapter" else "transformers",
+        license=license or "other",
+        datasets=[dataset] if dataset else None,
+        tags=tags,
+        pipeline_tag="text-generation",
+    )
+    return data.to_yaml()
+
+
+def model_card(
+    directory: Path,
+    repo_id: str,
+    kind: str,
+    revision: str = "main",
+    license: str | None = None,
+    base_model: str | None = None,
+) -> str:
+    """README.md for ``directory``: YAML metadata, then training data, recipe, results, memory and usage."""
+    src = _sources(directory)
+    base = base_model or hub_id(_base_name(src))
+    sections = [
+        f"# {repo_id.split('/')[-1]}\n\n{_summary(src, kind, base)}",
+        _data_section(src["recipe"], src["metrics"]),
+        _recipe_section(src["recipe"], src["metrics"]),
+        _results_section(src["metrics"]),
+        _memory_section(src["recipe"], src["metrics"]),
+        _merge_section(src["merge"]),
+        _usage_section(repo_id, kind, base, revision),
+        f"License: {license or 'not stated; the base model licence applies (pass --license to name one)'}.",
+    ]
+    body = "\n\n".join(s for s in sections if s)
+    return f"---\n{metadata(src, kind, license, base_model)}\n---\n\n{body}\n"
+
+
+def _summary(src: dict[str, dict[str, Any]], kind: str, base: str | None) -> str:
+    local = f"a local base model (`{Path(_base_name(src) or '?').name}`, not on the Hub)"
+    base_text = f"[`{base}`](https://huggingface.co/{base})" if base else local
+    lora = src["adapter"] or src["merge"].get("lora") or {}
+    targets = lora.get("target_modules")
+    targets = ", ".join(sorted(targets)) if isinstance(targets, list) else targets
+    lora_text = f"LoRA (r={lora.get('r')}, alpha={lora.get('lora_alpha')}, on {targets})"
+    how = f"trained with `{PROJECT}` by supervised fine-tuning (TRL SFTTrainer, PyTorch/XLA FSDP)"
+    if kind == "adapter":
+        return f"A {lora_text} adapter for {base_text}, {how}."
+    if src["merge"]:
+        dtype = src["merge"].get("dtype")
+        text = f"{base_text} with a {lora_text} adapter merged into its weights ({dtype}), {how}."
+        return text[0].upper() + text[1:]
+    return f"A full fine-tune of {base_text} (every parameter trained), {how}."
+
+
+def _table(rows: list[tuple[str, Any]], head: tuple[str, str] = ("", "")) -> str:
+    lines = [f"| {head[0]} | {head[1]} |", "|---|---|"]
+    return "\n".join(lines + [f"| {k} | {v} |" for k, v in rows if v is not None])
+
+
+def _data_section(recipe: dict[str, Any], metrics: dict[str, Any]) -> str:
+    data = recipe.get("data")
+    if not data:
+        return ""
+    lines = [f"- dataset: `{data.get('path')}` (split `{data.get('split')}`, format `{data.get('format')}`)"]
+    if data.get("mask_prompt") and data.get("format") in ("alpaca", "chat"):
+        lines.append("- the loss covers only the answers (prompts are masked)")
+    stats = metrics.get("data") or {}
+    if stats:
+        lines.append(
+            f"- {stats.get('samples', 0):,} samples -> {stats.get('rows', 0):,} rows of {data.get('max_length')} "
+            f"tokens ({stats.get('trained_tokens', 0):,} trained tokens, {stats.get('truncated', 0)} truncated)"
+        )
+    if data.get("eval_path"):
+        lines.append(f"- held out for evaluation: `{data['eval_path']}`")
+    return "## Training data\n\n" + "\n".join(lines)
+
+
+def _on(flag: Any) -> str:
+    return "on" if flag else "off"
+
+
+def _recipe_section(recipe: dict[str, Any], metrics: dict[str, Any]) -> str:
+    if not recipe:
+        return "## Recipe\n\nNo `recipe.yaml` was recorded with these weights."
+    m, lora, t = recipe.get("model", {}), recipe.get("lora", {}), recipe.get("train", {})
+    s, d = recipe.get("sharding", {}), recipe.get("data", {})
+    lora_text = f"LoRA r={lora.get('r')}, alpha {lora.get('alpha')}, dropout {lora.get('dropout')}"
+    mode = f"{lora_text}, targets {lora.get('target_modules')}" if lora.get("enabled", True) else "full fine-tuning"
+    devices = f"{metrics.get('num_devices', '?')} {metrics.get('platform', '')} devices".replace("  ", " ")
+    checkpointing = _on(s.get("activation_checkpointing"))
+    rows = [
+        ("base model", f"`{m.get('name_or_path')}`" + (" (random init)" if m.get("random_init") else "")),
+        ("training", mode),
+        ("weights dtype", m.get("dtype")),
+        ("steps", t.get("max_steps")),
+        ("global batch", f"{t.get('global_batch_size')} (accumulation {t.get('gradient_accumulation_steps')})"),
+        ("learning rate", f"{t.get('learning_rate')} {t.get('lr_scheduler')}, {t.get('warmup_steps')} warm-up steps"),
+        ("optimizer", f"{t.get('optimizer')}, weight decay {t.get('weight_decay')}"),
+        ("sequence length", f"{d.get('max_length')} (packing {_on(d.get('packing'))})"),
+        ("sharding", f"{s.get('strategy')} over {devices}, activation checkpointing {checkpointing}"),
+    ]
+    rerun = f"The whole resolved recipe is in `recipe.yaml`; `{PROJECT} sft recipe.yaml` runs it again."
+    return "## Recipe\n\n" + _table(rows, ("setting", "value")) + "\n\n" + rerun
+
+
+def _fmt(value: Any) -> str:
+    return f"{value:.4f}" if isinstance(value, float) else ("n/a" if value is None else str(value))
+
+
+def _results_section(metrics: dict[str, Any]) -> str:
+    if not metrics:
+        return ""
+    before, after = metrics.get("eval", {}).get("before", {}), metrics.get("eval", {}).get("after", {})
+    lines = ["| metric | before | after |", "|---|---|---|"]
+    for key, name in (("loss", "eval loss"), ("token_accuracy", "eval token accuracy"), ("exact_match", "exact match")):
+        if key in before or key in after:
+            lines.append(f"| {name} | {_fmt(before.get(key))} | {_fmt(after.get(key))} |")
+    train = metrics.get("train", {})
+    notes = [f"final training loss {_fmt(train.get('final_loss'))}"]
+    if train.get("steady_tokens_per_second"):
+        notes.append(f"{train['steady_tokens_per_second']:,.0f} tokens/s in steady state")
+    if after.get("exact_match_total"):
+        notes.append(f"exact match is greedy decoding on {after['exact_match_total']} held-out prompts")
+    table = "\n".join(lines) + "\n\n" if len(lines) > 2 else ""
+    return "## Results\n\n" + table + "; ".join(notes) + "."
+
+
+def _flatten(data: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    rows: list[tuple[str, Any]] = []
+    for key, value in data.items():
+        if isinstance(value, dict):
+            rows += _flatten(value, f"{prefix}{key}.")
+        else:
+            rows.append((f"{prefix}{key}", value))
+    return rows
+
+
+def _memory_section(recipe: dict[str, Any], metrics: dict[str, Any]) -> str:
+    """What the run recorded about memory; a ``memory`` mapping in metrics.json is rendered row by row."""
+    if not metrics:
+        return ""
+    m = metrics
+    trainable, total = m.get("trainable_parameters"), m.get("total_parameters")
+    share = f"{trainable:,} trainable of {total:,} ({100 * trainable / total:.2f}%)" if trainable and total else None
+    rows = [
+        ("parameters", share),
+        ("weights dtype", recipe.get("model", {}).get("dtype")),
+        ("sharding", recipe.get("sharding", {}).get("strategy")),
+        ("devices", f"{m['num_devices']} x {m.get('platform')}" if m.get("num_devices") else None),
+        (
+            "micro-batch x length",
+            f"{m['micro_batch_size']} x {m.get('max_length')}" if m.get("micro_batch_size") else None,
+        ),
+    ]
+    memory = m.get("memory")
+    rows += _flatten(memory) if isinstance(memory, dict) else []
+    note = "" if isinstance(memory, dict) else "\n\nPer-device memory figures were not recorded for this run."
+    return "## Memory\n\n" + _table(rows, ("quantity", "value")) + note
+
+
+def _merge_section(merge: dict[str, Any]) -> str:
+    check = merge.get("check")
+    if not check:
+        return ""
+    return (
+        "## Merge check\n\n"
+        f"Before publishing, the merged weights were reloaded and run on {len(check.get('prompts', []))} fixed "
+        f"prompts ({check.get('tokens')} tokens): {check.get('metric')} = {check.get('relative_diff', 0):.2e} "
+        f"(tolerance {check.get('tolerance')}); top-1 token agreement {check.get('top1_agreement', 0):.3f}. "
+        "Details in `merge.json`."
+    )
+
+
+def _usage_section(repo_id: str, kind: str, base: str | None, revision: str) -> str:
+    rev = "" if revision == "main" else f', revision="{revision}"'
+    if kind == "adapter":
+        where = "" if base else "# the base this adapter was trained on is not on the Hub: point to your copy\n"
+        code = (
+            "from peft import PeftModel\n"
+            "from transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
+            f'{where}base = AutoModelForCausalLM.from_pretrained("{base or "PATH/TO/BASE"}")\n'
+            f'model = PeftModel.from_pretrained(base, "{repo_id}"{rev})\n'
+            f'tokenizer = AutoTokenizer.from_pretrained("{repo_id}"{rev})\n'
+        )
+    else:
+        code = (
+            "from transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
+            f'model = AutoModelForCausalLM.from_pretrained("{repo_id}"{rev})\n'
+            f'tokenizer = AutoTokenizer.from_pretrained("{repo_id}"{rev})\n'
+        )
+    return f"## Use it\n\n```python\n{code}```"
