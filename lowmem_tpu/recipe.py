@@ -187,6 +187,11 @@ class ShardingSection(Section):
     activation_checkpointing: bool = Field(
         True, description="Recompute each decoder layer in backward: keeps one layer's activations, ~+30% compute."
     )
+    scan_layers: bool = Field(
+        False,
+        description="Compile one decoder layer and scan it over all layers (torch_xla scan_layers): "
+        "less compile time for deep models; stacks the layer weights (+1 copy of the layer weights, sharded).",
+    )
     layer_class: str | None = Field(
         None, description="Decoder layer class to wrap and checkpoint (default: the model's own decoder layer)."
     )

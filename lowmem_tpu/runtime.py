@@ -195,3 +195,22 @@ def sharding_spec(tensor: Any) -> str:
     import torch_xla
 
     return torch_xla._XLAC._get_xla_sharding_spec(tensor)
+
+
+def memory_info() -> dict[str, int]:
+    """Bytes in use, limit and peak of the first device (TPU; the CPU backend does not report them)."""
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    try:
+        return dict(xm.get_memory_info(torch_xla.device()))
+    except RuntimeError:  # the SPMD virtual device may not resolve to a physical one
+        return dict(torch_xla._XLAC._xla_memory_info("TPU:0"))
+
+
+def compile_seconds() -> float:
+    """Seconds spent compiling XLA programs so far in this process."""
+    import torch_xla.debug.metrics as met
+
+    data = met.metric_data("CompileTime")
+    return data[1] / 1e9 if data else 0.0

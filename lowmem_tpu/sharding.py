@@ -90,8 +90,66 @@ def shard_output(output: Any, mesh: Any) -> None:
             return
 
 
+class _Carry(nn.Module):
+    """A decoder layer as a function of the scanned carry: (hidden, cos, sin[, mask])."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *mask: torch.Tensor):
+        out = self.layer(hidden, attention_mask=mask[0] if mask else None, position_embeddings=(cos, sin))
+        return (out, cos, sin, *mask)
+
+
+class ScannedLayers(nn.Module):
+    """Replaces the decoder layer list: one compiled layer, scanned over every layer's weights."""
+
+    def __init__(self, layers: nn.ModuleList, checkpoint: bool):
+        super().__init__()
+        self.layers = nn.ModuleList(_Carry(layer) for layer in layers)
+        self.checkpoint = checkpoint
+
+    def forward(self, hidden_states, attention_mask=None, position_embeddings=None, **kwargs):
+        from torch_xla.experimental.scan_layers import scan_layers  # under SPMD it calls into jax
+
+        partition = {}
+        if self.checkpoint:
+            # Recompute inside the scanned layer in backward instead of saving its activations.
+            from functorch.compile import min_cut_rematerialization_partition
+
+            partition["partition_fn"] = min_cut_rematerialization_partition
+        mask = () if attention_mask is None else (attention_mask,)
+        return scan_layers(self.layers, (hidden_states, *position_embeddings, *mask), **partition)[0]
+
+
+def _require_scan_extra() -> None:
+    # torch_xla 2.9's scan keeps carries sharded alike through jax (xb.call_jax needs jax and torchax).
+    try:
+        import jax  # noqa: F401
+        import torchax  # noqa: F401
+    except ImportError:
+        raise UserError(
+            "sharding.scan_layers: needs jax and torchax; install them with: "
+            "pip install -c constraints.txt -e '.[scan]'"
+        ) from None
+
+
+def _scan_decoder(model: nn.Module, layer: type[nn.Module], checkpoint: bool) -> None:
+    for module in model.modules():
+        layers = getattr(module, "layers", None)
+        if isinstance(layers, nn.ModuleList) and layers and all(isinstance(m, layer) for m in layers):
+            module.layers = nn.ModuleList([ScannedLayers(layers, checkpoint)])
+            return
+    raise UserError(f"sharding.scan_layers: no list of {layer.__name__} found to scan over")
+
+
 def wrap_model(model: nn.Module, cfg: ShardingSection, runtime: Runtime) -> nn.Module:
-    """Wrap every decoder layer (checkpointed if asked) and the whole model in FSDPv2."""
+    """Wrap every decoder layer (checkpointed if asked) and the whole model in FSDPv2.
+
+    With ``scan_layers`` the layers are scanned instead (their weights stay sharded as placed,
+    gathered one layer at a time inside the scan) and only the whole model is wrapped.
+    """
     import functools
 
     from torch_xla.distributed.fsdp import checkpoint_module
@@ -99,6 +157,10 @@ def wrap_model(model: nn.Module, cfg: ShardingSection, runtime: Runtime) -> nn.M
     from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel as FSDPv2
 
     layer = layer_class(model, cfg.layer_class)
+    if cfg.scan_layers:
+        _require_scan_extra()
+        _scan_decoder(model, layer, cfg.activation_checkpointing)
+        return FSDPv2(model, mesh=runtime.mesh, shard_output=shard_output)
     policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={layer})
 
     def wrap_layer(module: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
