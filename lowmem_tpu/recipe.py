@@ -250,6 +250,11 @@ class TrainSection(Section):
     max_wall_time: str | None = Field(
         None, description="Save and stop cleanly before this much time has passed, e.g. 8h30m, 45m, 90s."
     )
+    on_nonfinite: Literal["stop", "skip"] = Field(
+        "stop",
+        description="NaN/Inf loss or gradients: stop the run at that logging step, or skip that update "
+        "(skip checks every step: one host sync per step).",
+    )
     loss_spike_factor: float = Field(
         5.0, ge=0, description="Warn when a logged loss exceeds this many times the running mean (0: never)."
     )

@@ -183,7 +183,8 @@ def _build(recipe: Recipe, runtime, tokenizer, train_ds, eval_ds, micro: int, ou
     names = ParamNames(model)
     metrics_cb = MetricsCallback()
     t = recipe.train
-    guard = GuardCallback(parse_duration(t.max_wall_time) if t.max_wall_time else None, t.loss_spike_factor, say)
+    wall = parse_duration(t.max_wall_time) if t.max_wall_time else None
+    guard = GuardCallback(wall, t.loss_spike_factor, say, skip_nonfinite=t.on_nonfinite == "skip")
     flops = modeling.flops_per_token(model.config, total, trainable, recipe.data.max_length, recipe.lora.enabled)
     trainer = XlaSFTTrainer(
         recipe=recipe,

@@ -196,3 +196,27 @@ def test_scan_layers_trains_exactly_like_unrolled_layers(tmp_path_factory):
     for x, y in zip(a, b, strict=True):
         assert x["loss"] == pytest.approx(y["loss"], abs=1e-4)
     assert (scanned.final_dir / "adapter_model.safetensors").exists()
+
+
+def test_skip_mode_drops_a_nonfinite_update_exactly(lora_run, tmp_path):
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+
+    from lowmem_tpu.trainer import GuardCallback
+
+    _, run = lora_run
+    optimizer = run.trainer.optimizer
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    before = [p.detach().cpu().clone() for p in params]
+    for i, param in enumerate(params):
+        param.grad = torch.full_like(param, float("nan") if i == 0 else 1.0)
+    warnings: list[str] = []
+    guard = GuardCallback(None, 0.0, warnings.append, skip_nonfinite=True)
+    state = TrainerState()
+    state.global_step = 41
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[])
+    guard.on_pre_optimizer_step(args, state, TrainerControl(), optimizer=optimizer)
+    assert all(p.grad is None for p in params)
+    getattr(optimizer, "optimizer", optimizer).step()  # the torch optimizer inside accelerate's wrapper
+    assert all(torch.equal(p.detach().cpu(), b) for p, b in zip(params, before, strict=True))
+    assert guard.skipped_steps == [42] and "step 42: non-finite gradients, update skipped" in warnings[0]
+    guard.on_log(args, state, TrainerControl(), logs={"loss": float("nan")})  # skip mode: no stop
