@@ -140,3 +140,25 @@ def test_bad_data_fails_before_loading_and_leaves_output_intact(tmp_path):
     assert f"{bad}" in proc.stderr and "line 2" in proc.stderr
     assert "Traceback" not in proc.stderr and "loading builtin:tiny-llama" not in proc.stdout
     assert (out / "final" / "keep.txt").read_text() == "an earlier result"
+
+
+def test_sigkill_during_a_save_leaves_the_previous_checkpoint_usable(uninterrupted, tmp_path):
+    out = tmp_path / "run"
+    # Saving every step, a kill right after step 3's log line lands in (or just before) its save.
+    proc = subprocess.Popen(
+        _cmd(out, "train.save_steps=1"), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=_env()
+    )
+    for line in proc.stdout:
+        if line.startswith("step 3/8"):
+            proc.kill()
+            break
+    proc.wait(timeout=60)
+    complete = [p for p in (out / "checkpoints").iterdir() if (p / "COMPLETE").exists()]
+    assert complete, "the checkpoints of steps 1-2 were complete before the kill"
+
+    resumed = subprocess.run(_cmd(out, "train.save_steps=1"), capture_output=True, text=True, env=_env(), timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert not list((out / "checkpoints").glob("*.partial"))
+    whole, after = _losses(uninterrupted), _losses(out)
+    for step, loss in after.items():
+        assert loss == pytest.approx(whole[step], abs=1e-6), (step, loss, whole[step])
