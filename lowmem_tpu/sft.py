@@ -81,6 +81,10 @@ def run_sft(recipe: Recipe, overwrite: bool = False, force_resume: bool = False)
     started = time.perf_counter()
     out = prepare_output(recipe, overwrite)
     configure_environment(recipe.runtime)  # before transformers imports torch_xla
+    if recipe.runtime.quiet:
+        from lowmem_tpu.runtime import quiet_python_warnings
+
+        quiet_python_warnings()  # before datasets prints its progress bars
     if recipe.hub.push:
         from lowmem_tpu.hub import check_push_ready
 
@@ -281,7 +285,7 @@ def _metrics(recipe, runtime, job, data_stats, before, after, result, train_seco
         "train": {
             "losses": [{"step": e["step"], "loss": e["loss"]} for e in logs],
             "log": cb.logs,
-            "final_loss": logs[-1]["loss"] if logs else None,
+            "final_loss": logs[-1]["loss"] if logs else result.training_loss,
             "mean_loss": result.training_loss,
             "steady_tokens_per_second": mean("tokens_per_second"),
             "steady_tokens_per_second_per_device": mean("tokens_per_second_per_device"),
