@@ -181,7 +181,7 @@ def memory(
     """Plan per-device memory of the recipe and its twin (LoRA <-> full); say what to turn on if it does not fit."""
     try:
         loaded = _load(recipe, overrides)
-        from lowmem_tpu.memory import format_report, plan_recipe, report_json
+        from lowmem_tpu.memory_report import format_report, plan_recipe, report_json
 
         report = plan_recipe(loaded, device or ("cpu" if loaded.runtime.device == "cpu" else "v3-8"))
     except UserError as err:
@@ -215,7 +215,9 @@ def compare(
     except UserError as err:
         _fail(err)
     typer.echo(format_compare(result))
-    typer.echo(f"wrote {Path(result['chart']).parent / 'compare.json'} and {result['chart']}")
+    where = out or Path(loaded.output_dir) / "compare"
+    chart = result["chart"] or "no chart (pip install -c constraints.txt matplotlib)"
+    typer.echo(f"wrote {where / 'compare.json'} and {chart}")
 
 
 def main() -> None:

@@ -198,14 +198,16 @@ def sharding_spec(tensor: Any) -> str:
 
 
 def memory_info() -> dict[str, int]:
-    """Bytes in use, limit and peak of the first device (TPU; the CPU backend does not report them)."""
+    """Bytes in use, limit and peak of the first device; {} where none are kept (the CPU backend)."""
     import torch_xla
-    import torch_xla.core.xla_model as xm
 
-    try:
-        return dict(xm.get_memory_info(torch_xla.device()))
-    except RuntimeError:  # the SPMD virtual device may not resolve to a physical one
-        return dict(torch_xla._XLAC._xla_memory_info("TPU:0"))
+    # What xm.get_memory_info reads; under SPMD the virtual device may not resolve to a chip.
+    for name in (str(torch_xla.device()), "TPU:0"):
+        try:
+            return dict(torch_xla._XLAC._xla_memory_info(name))
+        except RuntimeError:
+            continue
+    return {}
 
 
 def compile_seconds() -> float:

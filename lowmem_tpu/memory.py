@@ -1,0 +1,446 @@
+"""The memory planner: per-device bytes of a recipe's training step, from arithmetic alone.
+
+Nothing here imports torch or torch_xla. The inputs are a transformers config (or
+anything with the same attributes) and the recipe; the output is, per device, the
+weights, gradients and optimizer state (exact: the same shard rule as
+``sharding.partition_spec``), the activations and logits buffers (a model of what XLA
+keeps live, calibrated against the CPU compiler: see docs/memory.md), and a margin for
+XLA's workspace. ``memory_report`` builds on it: the recipe's twin (LoRA <-> full
+fine-tuning), what to turn on when a plan does not fit, and the command's output.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from lowmem_tpu.errors import UserError
+from lowmem_tpu.recipe import Recipe
+
+GiB = 2**30
+ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+@dataclass(frozen=True)
+class Device:
+    """One kind of TPU VM (or this machine's CPU backend): XLA devices and memory per device."""
+
+    name: str
+    devices: int
+    hbm_bytes: int
+    about: str
+
+
+# A v2-8/v3-8 shows 8 XLA devices (one per core); from v4 on, one device per chip
+# (v4-8 and v5p-8 have 4 chips: the name counts TensorCores).
+DEVICES = {
+    d.name: d
+    for d in (
+        Device("v2-8", 8, 8 * GiB, "TPU v2-8: 8 cores x 8 GiB"),
+        Device("v3-8", 8, 16 * GiB, "TPU v3-8 (Kaggle, Colab): 8 cores x 16 GiB"),
+        Device("v4-8", 4, 32 * GiB, "TPU v4-8: 4 chips x 32 GiB"),
+        Device("v5e-1", 1, 16 * GiB, "TPU v5e-1: 1 chip x 16 GiB"),
+        Device("v5e-8", 8, 16 * GiB, "TPU v5e-8: 8 chips x 16 GiB"),
+        Device("v5p-8", 4, 95 * GiB, "TPU v5p-8: 4 chips x 95 GiB"),
+        Device("v6e-8", 8, 32 * GiB, "TPU v6e-8: 8 chips x 32 GiB"),
+    )
+}
+
+
+def find_device(name: str, cpu_devices: int) -> Device:
+    """A known device by name; ``cpu`` is this machine's memory split over ``runtime.num_cpu_devices``."""
+    if name == "cpu":
+        return Device("cpu", cpu_devices, _host_memory() // cpu_devices, f"CPU backend: {cpu_devices} devices")
+    if name not in DEVICES:
+        known = ", ".join([*DEVICES, "cpu"])
+        raise UserError(f"--device: unknown device {name!r}; known devices: {known}")
+    return DEVICES[name]
+
+
+def _host_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            return int(f.readline().split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return 16 * GiB
+
+
+# ----------------------------------------------------------------------------- the model's shape
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the planner needs of a decoder-only (Llama-family) architecture."""
+
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool
+    attention_bias: bool = False
+    mlp_bias: bool = False
+
+
+def shape_of(config: Any) -> Shape:
+    """The planner's view of a transformers config (Llama, Mistral, Qwen2 and others of that layout)."""
+    missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers") if not hasattr(config, k)]
+    if missing:
+        kind = getattr(config, "model_type", type(config).__name__)
+        raise UserError(
+            f"model.name_or_path: a {kind} config has no {', '.join(missing)}; the planner needs a Llama-like model"
+        )
+    heads = config.num_attention_heads
+    return Shape(
+        hidden=config.hidden_size,
+        intermediate=config.intermediate_size,
+        layers=config.num_hidden_layers,
+        heads=heads,
+        kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+        vocab=config.vocab_size,
+        tied=bool(getattr(config, "tie_word_embeddings", False)),
+        attention_bias=bool(getattr(config, "attention_bias", False)),
+        mlp_bias=bool(getattr(config, "mlp_bias", False)),
+    )
+
+
+def linears(s: Shape) -> dict[str, tuple[int, int]]:
+    """(out, in) of each projection of one decoder layer."""
+    q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    return {
+        "q_proj": (q, s.hidden),
+        "k_proj": (kv, s.hidden),
+        "v_proj": (kv, s.hidden),
+        "o_proj": (s.hidden, q),
+        "gate_proj": (s.intermediate, s.hidden),
+        "up_proj": (s.intermediate, s.hidden),
+        "down_proj": (s.hidden, s.intermediate),
+    }
+
+
+# ----------------------------------------------------------------------------- what the plan varies
+
+
+@dataclass(frozen=True)
+class Setting:
+    """The recipe fields that memory depends on, on one device count."""
+
+    lora: bool
+    rank: int
+    targets: tuple[str, ...]
+    lora_dropout: float
+    dtype: str
+    strategy: str
+    checkpointing: bool
+    global_batch: int
+    accumulation: int
+    length: int
+    optimizer: str
+    fused_head: bool
+    devices: int
+
+    @property
+    def sequences(self) -> int:
+        """Sequences each device holds in one forward pass (micro-batch / devices)."""
+        return self.global_batch // self.accumulation // self.devices
+
+    @property
+    def live_sequences(self) -> int:
+        """Sequences whose activations can be live at once on a device (see MICRO_BATCHES_OVERLAP)."""
+        return self.sequences * (self.accumulation if MICRO_BATCHES_OVERLAP else 1)
+
+    @property
+    def tokens(self) -> int:
+        """Tokens per device whose activations can be live at once."""
+        return self.live_sequences * self.length
+
+
+# The trainer traces every micro-batch of an optimizer step into one XLA program, and the
+# compiler runs their forward passes before their backward passes: measured, accumulating 2
+# micro-batches of 8 sequences needs what one of 16 does. Accumulation saves activation memory
+# only once the trainer cuts the graph after each micro-batch's backward pass.
+MICRO_BATCHES_OVERLAP = True
+
+
+def setting_of(recipe: Recipe, devices: int) -> Setting:
+    """The memory-relevant part of a recipe, on ``devices`` XLA devices."""
+    t, lora = recipe.train, recipe.lora
+    targets = ALL_LINEAR if lora.target_modules == "all-linear" else tuple(lora.target_modules)
+    setting = Setting(
+        lora=lora.enabled,
+        rank=lora.r,
+        targets=targets,
+        lora_dropout=lora.dropout,
+        dtype=recipe.model.dtype,
+        strategy=recipe.sharding.strategy,
+        checkpointing=recipe.sharding.activation_checkpointing,
+        global_batch=t.global_batch_size,
+        accumulation=t.gradient_accumulation_steps,
+        length=recipe.data.max_length,
+        optimizer=t.optimizer,
+        fused_head=getattr(t, "fused_lm_head", False),
+        devices=devices,
+    )
+    micro = t.global_batch_size // t.gradient_accumulation_steps
+    if micro % devices or t.global_batch_size % t.gradient_accumulation_steps:
+        raise UserError(
+            f"train.global_batch_size: {t.global_batch_size} / {t.gradient_accumulation_steps} accumulation steps "
+            f"does not split over {devices} devices; use a multiple of {devices * t.gradient_accumulation_steps}"
+        )
+    unknown = [name for name in targets if name not in ALL_LINEAR]
+    if lora.enabled and unknown:
+        raise UserError(f"lora.target_modules: the planner knows {', '.join(ALL_LINEAR)}; not {', '.join(unknown)}")
+    return setting
+
+
+# ----------------------------------------------------------------------------- parameters and persistent state
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One parameter: its shape, bytes per element and whether it trains."""
+
+    shape: tuple[int, ...]
+    itemsize: int
+    trainable: bool
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def parameters(s: Shape, st: Setting) -> list[Tensor]:
+    """Every parameter of the model as ``lowmem-tpu sft`` builds it (LoRA adapters in fp32, as PEFT keeps them)."""
+    size, full = DTYPE_BYTES[st.dtype], not st.lora
+    out = [Tensor((s.vocab, s.hidden), size, full), Tensor((s.hidden,), size, full)]
+    if not s.tied:
+        out.append(Tensor((s.vocab, s.hidden), size, full))
+    for name, (o, i) in linears(s).items():
+        bias = s.attention_bias if name.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else s.mlp_bias
+        layer = [Tensor((o, i), size, full)] + ([Tensor((o,), size, full)] if bias else [])
+        if st.lora and name in st.targets:
+            layer += [Tensor((st.rank, i), 4, True), Tensor((o, st.rank), 4, True)]
+        out += layer * s.layers
+    out += [Tensor((s.hidden,), size, full)] * (2 * s.layers)
+    return out
+
+
+def shard_numel(shape: tuple[int, ...], strategy: str, devices: int) -> int:
+    """Elements per device: FSDP splits the largest dimension (the first of equals), XLA pads uneven shards."""
+    if strategy != "fsdp" or not shape:
+        return math.prod(shape)
+    axis = max(range(len(shape)), key=lambda i: shape[i])
+    return math.prod(math.ceil(d / devices) if i == axis else d for i, d in enumerate(shape))
+
+
+def _bytes(tensors: list[Tensor], st: Setting) -> int:
+    return sum(shard_numel(t.shape, st.strategy, st.devices) * t.itemsize for t in tensors)
+
+
+def optimizer_bytes(trainable: list[Tensor], st: Setting) -> int:
+    """AdamW: two states shaped and typed like each parameter. Adafactor: fp32 row and column factors,
+    each split over the devices when it runs along the parameter's sharded dimension (measured)."""
+    if st.optimizer == "adamw":
+        return 2 * _bytes(trainable, st)
+    total = 0
+    for t in trainable:
+        if len(t.shape) < 2:
+            total += shard_numel(t.shape, st.strategy, st.devices) * 4
+            continue
+        axis = max(range(len(t.shape)), key=lambda i: t.shape[i]) if st.strategy == "fsdp" else -1
+        rows, cols = math.prod(t.shape[:-1]), math.prod(t.shape[:-2]) * t.shape[-1]
+        total += (math.ceil(rows / st.devices) if axis == 0 else rows) * 4
+        total += (math.ceil(cols / st.devices) if axis == len(t.shape) - 1 else cols) * 4
+    return total
+
+
+# ----------------------------------------------------------------------------- activations and workspace
+
+
+def layer_activations(s: Shape, st: Setting) -> int:
+    """Bytes one decoder layer keeps for its backward pass, per device.
+
+    Counted in the compiler's buffers (fp32 Llama): 8 hidden-sized tensors per token (norm
+    outputs, residuals, q/k/v, attention output), 5 intermediate-sized ones (gate, up, SiLU,
+    product, down's input), 2 more when LoRA adapts gate/up, and the softmax probabilities
+    (batch x heads x length^2, in fp32).
+    """
+    e = DTYPE_BYTES[st.dtype]
+    lora_mlp = sum(1 for name in ("gate_proj", "up_proj") if st.lora and name in st.targets)
+    per_token = (8 * s.hidden + (5 + lora_mlp) * s.intermediate) * e
+    scores = st.live_sequences * s.heads * st.length * st.length * 4
+    return st.tokens * per_token + scores
+
+
+def activations(s: Shape, st: Setting, checkpointing: bool | None = None) -> int:
+    """Activation bytes per device at the start of the backward pass.
+
+    Without checkpointing every layer keeps its activations. With it, each layer keeps only its
+    input (plus the residual stream once) and one layer at a time is recomputed. On one device
+    the compiler was seen keeping each layer's attention (q, k, v and the softmax numerator)
+    from the forward pass anyway: checkpointing then saves only the MLP's share.
+    """
+    if not (st.checkpointing if checkpointing is None else checkpointing):
+        return s.layers * layer_activations(s, st)
+    e = DTYPE_BYTES[st.dtype]
+    kept = (s.layers + 1) * st.tokens * s.hidden * e + layer_activations(s, st)
+    if st.devices == 1:
+        kept += s.layers * (3 * st.tokens * s.hidden * e + st.live_sequences * s.heads * st.length**2 * 4)
+    return kept
+
+
+def dropout_masks(s: Shape, st: Setting) -> int:
+    """LoRA dropout's random bits, per device.
+
+    XLA's SPMD partitioner does not split random-number generation: every device draws 32-bit
+    random bits for the whole micro-batch (all devices' sequences) at each adapted projection's
+    input. The compiler keeps one layer's (all layers' without checkpointing) for the backward pass.
+    """
+    if not st.lora or st.lora_dropout == 0:
+        return 0
+    inputs = sum(i for name, (_, i) in linears(s).items() if name in st.targets)
+    layers = 1 if st.checkpointing else s.layers
+    return layers * st.live_sequences * st.devices * st.length * inputs * 4
+
+
+def backward_workspace(s: Shape, st: Setting) -> int:
+    """Gradient buffers of one layer's backward pass: two intermediate-sized, four hidden-sized per token."""
+    return st.tokens * (2 * s.intermediate + 4 * s.hidden) * DTYPE_BYTES[st.dtype]
+
+
+def logits_bytes(s: Shape, st: Setting) -> int:
+    """The loss's buffers per device.
+
+    The model's own head builds [tokens, vocab] logits, upcast to fp32 for the loss, and their
+    gradient: three fp32 copies. TRL's fused head (``train.fused_lm_head``) scores at most 4096
+    tokens (over all devices) against 32768-wide vocabulary tiles at a time.
+    """
+    if not st.fused_head:
+        return 3 * st.tokens * s.vocab * 4
+    rows = math.ceil(min(st.live_sequences * st.devices * (st.length - 1), 4096) / st.devices)
+    return 3 * rows * min(max(s.vocab, 32768), 32768) * 4
+
+
+# ----------------------------------------------------------------------------- one plan
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Per-device bytes of one setting. ``peak`` is what the step needs; ``margin`` is kept free on top."""
+
+    setting: Setting
+    layout: str  # "tpu", or "cpu": as the CPU compiler lays the step out (see gradient_phase)
+    trainable_parameters: int
+    total_parameters: int
+    weights: int
+    gradients: int
+    optimizer: int
+    activations: int  # with the setting's checkpointing, LoRA dropout's random bits included
+    activations_checkpointed: int
+    activations_not_checkpointed: int
+    dropout_masks: int  # part of activations: LoRA dropout's random bits (see dropout_masks)
+    logits: int
+    workspace: int  # the LM head gathered whole for the logits (FSDP, more than one device)
+    gradient_phase: int  # gradients at the end of the backward pass (CPU: all-reduced whole, not sharded)
+    peak: int
+    margin: int
+    capacity: int  # memory per device
+
+    @property
+    def persistent(self) -> int:
+        """Weights, gradients and optimizer state: what the sharded tensors hold."""
+        return self.weights + self.gradients + self.optimizer
+
+    @property
+    def needed(self) -> int:
+        """The peak plus the margin kept free."""
+        return self.peak + self.margin
+
+    @property
+    def fits(self) -> bool:
+        """True when what is needed is at most the device's memory."""
+        return self.needed <= self.capacity
+
+
+def margin_for(peak: int) -> int:
+    """Kept free for XLA's workspace, the runtime and fragmentation: 10% of the peak plus 256 MiB."""
+    return peak // 10 + 256 * 2**20
+
+
+def plan_setting(s: Shape, st: Setting, layout: str, capacity: int) -> Plan:
+    """Plan one setting: persistent state from the shard rule, the rest from the activation model.
+
+    peak = weights + optimizer + max(activations + logits + workspace, gradient phase)
+    """
+    params = parameters(s, st)
+    trainable = [p for p in params if p.trainable]
+    e = DTYPE_BYTES[st.dtype]
+    weights, gradients = _bytes(params, st), _bytes(trainable, st)
+    optimizer = optimizer_bytes(trainable, st)
+    head = s.vocab * s.hidden * e
+    workspace = head if st.devices > 1 and st.strategy == "fsdp" else 0
+    gradient_phase = gradients
+    if layout == "cpu" and not st.lora and st.devices > 1:
+        # No reduce-scatter on the CPU backend: every gradient is all-reduced whole (and the
+        # LM head's twice) before each device slices its shard for the optimizer.
+        gradient_phase = sum(t.numel * t.itemsize for t in trainable) + head
+    if not st.lora:
+        gradient_phase += layer_activations(s, st)  # the first layer's backward, with the rest's gradients done
+    act, lg = activations(s, st) + dropout_masks(s, st), logits_bytes(s, st)
+    # The loss's buffers (and the gathered head) are live as the backward pass starts; later, each
+    # layer's backward needs gradient buffers of its own, the larger of the two is what counts.
+    backward = max(lg + workspace, backward_workspace(s, st))
+    peak = weights + optimizer + max(act + backward + (gradients if st.lora else 0), gradient_phase)
+    return Plan(
+        setting=st,
+        layout=layout,
+        trainable_parameters=sum(t.numel for t in trainable),
+        total_parameters=sum(t.numel for t in params),
+        weights=weights,
+        gradients=gradients,
+        optimizer=optimizer,
+        activations=act,
+        activations_checkpointed=activations(s, st, True) + dropout_masks(s, replace(st, checkpointing=True)),
+        activations_not_checkpointed=activations(s, st, False) + dropout_masks(s, replace(st, checkpointing=False)),
+        dropout_masks=dropout_masks(s, st),
+        logits=lg,
+        workspace=workspace,
+        gradient_phase=gradient_phase,
+        peak=peak,
+        margin=margin_for(peak),
+        capacity=capacity,
+    )
+
+
+# ----------------------------------------------------------------------------- the architecture, offline
+
+
+def require_config(recipe: Recipe) -> Any:
+    """The model's architecture, offline: a local or shipped config.json (read as JSON, nothing heavy
+    imported), else transformers' cache. A UserError says how to supply it when there is none."""
+    from lowmem_tpu.modeling import CONFIGS, resolve_source, shipped_config_path
+
+    source = resolve_source(recipe.model.name_or_path)
+    local = Path(source).expanduser() / "config.json"
+    path = local if local.is_file() else shipped_config_path(source)
+    if path is not None:
+        return SimpleNamespace(**json.loads(path.read_text()))
+    from lowmem_tpu.modeling import load_config
+
+    config = load_config(recipe.model, offline=True)
+    if config is None:
+        name = recipe.model.name_or_path
+        raise UserError(
+            f"model.name_or_path: the architecture of {name!r} is not available offline (nothing is downloaded). "
+            f"Give a local directory that holds its config.json (model.name_or_path=/path/to/dir), or save its "
+            f"config.json as {CONFIGS / (name.replace('/', '__') + '.json')}"
+        )
+    return config

@@ -1,0 +1,240 @@
+"""``lowmem-tpu memory``: a recipe's plan on one device, its twin's, and what to turn on next.
+
+The arithmetic is in :mod:`lowmem_tpu.memory`; this module chains techniques until a plan
+fits and renders plans as text or JSON.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from lowmem_tpu.memory import (
+    Device,
+    GiB,
+    Plan,
+    Setting,
+    Shape,
+    find_device,
+    plan_setting,
+    require_config,
+    setting_of,
+    shape_of,
+)
+from lowmem_tpu.recipe import Recipe
+
+# ----------------------------------------------------------------------------- what to turn on next
+
+
+@dataclass(frozen=True)
+class Step:
+    """One technique turned on, the recipe override that does it, and the plan after it."""
+
+    technique: str
+    override: str
+    plan: Plan
+
+
+def _more_sharding(st: Setting) -> tuple[Setting, str, str] | None:
+    if st.strategy == "fsdp" or st.devices == 1:
+        return None
+    return replace(st, strategy="fsdp"), "shard every weight over all devices (FSDP)", "sharding.strategy=fsdp"
+
+
+def _checkpointing(st: Setting) -> tuple[Setting, str, str] | None:
+    if st.checkpointing:
+        return None
+    text = "activation checkpointing"
+    return replace(st, checkpointing=True), text, "sharding.activation_checkpointing=true"
+
+
+def _accumulation(st: Setting) -> tuple[Setting, str, str] | None:
+    steps = st.accumulation * 2
+    if st.sequences < 2 or st.global_batch % (steps * st.devices):
+        return None
+    text = f"half the micro-batch, {steps} accumulation steps (same global batch)"
+    return replace(st, accumulation=steps), text, f"train.gradient_accumulation_steps={steps}"
+
+
+def _fused_head(st: Setting) -> tuple[Setting, str, str] | None:
+    if st.fused_head:
+        return None
+    return replace(st, fused_head=True), "TRL's chunked LM head (no full logits)", "train.fused_lm_head=true"
+
+
+def _adafactor(st: Setting) -> tuple[Setting, str, str] | None:
+    if st.lora or st.optimizer == "adafactor":
+        return None
+    return replace(st, optimizer="adafactor"), "Adafactor (factored optimizer state)", "train.optimizer=adafactor"
+
+
+def _lora(st: Setting) -> tuple[Setting, str, str] | None:
+    if st.lora:
+        return None
+    return replace(st, lora=True), "LoRA (freeze the base model)", "lora.enabled=true"
+
+
+def _shorter(st: Setting) -> tuple[Setting, str, str] | None:
+    if st.length <= 256:
+        return None
+    length = st.length // 2
+    return replace(st, length=length), f"shorter sequences ({length} tokens)", f"data.max_length={length}"
+
+
+TECHNIQUES = (_more_sharding, _checkpointing, _accumulation, _fused_head, _adafactor, _lora, _shorter)
+
+
+def next_steps(s: Shape, plan: Plan) -> list[Step]:
+    """Techniques to turn on, one at a time in this order, until the plan fits or none is left.
+
+    A technique that would not lower the peak (e.g. accumulation, see MICRO_BATCHES_OVERLAP) is skipped.
+    """
+    steps: list[Step] = []
+    while not plan.fits:
+        for technique in TECHNIQUES:
+            change = technique(plan.setting)
+            if change is None:
+                continue
+            candidate = plan_setting(s, change[0], plan.layout, plan.capacity)
+            if candidate.peak < plan.peak:
+                break
+        else:
+            return steps
+        plan = candidate
+        steps.append(Step(change[1], change[2], plan))
+    return steps
+
+
+# ----------------------------------------------------------------------------- a recipe: plan, twin, next steps
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """The recipe's plan on one device, its twin's (LoRA <-> full), and what to turn on when either does not fit."""
+
+    device: Device
+    model: str
+    plan: Plan
+    twin: Plan
+    steps: list[Step]
+    twin_steps: list[Step]
+
+
+def plan_recipe(recipe: Recipe, device: str, config: Any = None) -> MemoryReport:
+    """Plan ``recipe`` on ``device`` (a name from :data:`DEVICES` or ``cpu``)."""
+    target = find_device(device, recipe.runtime.num_cpu_devices)
+    shape = shape_of(config if config is not None else require_config(recipe))
+    layout = "cpu" if target.name == "cpu" else "tpu"
+    st = setting_of(recipe, target.devices)
+    plan = plan_setting(shape, st, layout, target.hbm_bytes)
+    twin = plan_setting(shape, replace(st, lora=not st.lora), layout, target.hbm_bytes)
+    return MemoryReport(target, recipe.model.name_or_path, plan, twin, next_steps(shape, plan), next_steps(shape, twin))
+
+
+# ----------------------------------------------------------------------------- output
+
+
+def _mode(st: Setting) -> str:
+    return "LoRA" if st.lora else "full fine-tuning"
+
+
+def plan_rows(plan: Plan) -> list[tuple[str, int]]:
+    """(label, bytes) per component, in display order."""
+    st = plan.setting
+    ckpt = "on" if st.checkpointing else "off"
+    rows = [
+        ("weights", plan.weights),
+        ("gradients", plan.gradients),
+        (f"optimizer states ({st.optimizer})", plan.optimizer),
+        (f"activations (checkpointing {ckpt}, used)", plan.activations),
+        *([("  of which LoRA dropout's random bits", plan.dropout_masks)] if plan.dropout_masks else []),
+        (
+            f"activations (checkpointing {'off' if st.checkpointing else 'on'})",
+            plan.activations_not_checkpointed if st.checkpointing else plan.activations_checkpointed,
+        ),
+        (f"logits / loss buffers ({'chunked head' if st.fused_head else 'full logits'})", plan.logits),
+        ("XLA workspace (LM head gathered)", plan.workspace),
+    ]
+    if not st.lora:
+        whole = " all-reduced whole (CPU)" if plan.layout == "cpu" and st.devices > 1 else ""
+        rows.append((f"end of backward: gradients{whole} + 1 layer", plan.gradient_phase))
+    return [*rows, ("peak", plan.peak), ("margin for XLA workspace (10% + 256 MiB)", plan.margin)]
+
+
+def gib(n: float) -> str:
+    """Bytes as GiB with three significant digits."""
+    return f"{n / GiB:.3g} GiB"
+
+
+def _verdict(plan: Plan) -> str:
+    room = plan.capacity - plan.needed
+    state = f"fits ({gib(room)} free)" if room >= 0 else f"does not fit ({gib(-room)} short)"
+    return f"{gib(plan.needed)} of {gib(plan.capacity)}: {state}"
+
+
+def format_plan(title: str, plan: Plan, steps: list[Step]) -> list[str]:
+    """One plan as text: its components in bytes and GiB, the verdict, and the next steps."""
+    st = plan.setting
+    lines = [
+        f"{title}: {_mode(st)}, {plan.trainable_parameters:,} trainable of {plan.total_parameters:,} parameters",
+        f"  micro-batch {st.sequences} x {st.length} tokens per device, {st.accumulation} accumulation step(s)",
+    ]
+    lines += [f"  {label:<48}{value:>18,} B  {gib(value):>11}" for label, value in plan_rows(plan)]
+    lines.append(f"  needed: {_verdict(plan)}")
+    for i, step in enumerate(steps, 1):
+        lines.append(f"    {i}. + {step.technique}  [{step.override}]  -> {_verdict(step.plan)}")
+    if not plan.fits and (not steps or not steps[-1].plan.fits):
+        lines.append("    nothing left to turn on: use a larger TPU or a smaller model")
+    return lines
+
+
+def format_report(report: MemoryReport) -> str:
+    """The ``lowmem-tpu memory`` output."""
+    d = report.device
+    twin = "lora.enabled=false" if report.plan.setting.lora else "lora.enabled=true"
+    lines = [f"{report.model} on {d.name} ({d.about}), per device ({report.plan.layout} layout)", ""]
+    lines += [*format_plan("the recipe", report.plan, report.steps), ""]
+    lines += format_plan(f"its twin ({twin})", report.twin, report.twin_steps)
+    return "\n".join(lines)
+
+
+def plan_json(plan: Plan) -> dict[str, Any]:
+    """A plan as plain data: every component in bytes, the setting, the verdict."""
+    keys = [
+        "weights",
+        "gradients",
+        "optimizer",
+        "activations",
+        "activations_checkpointed",
+        "activations_not_checkpointed",
+        "dropout_masks",
+        "logits",
+        "workspace",
+        "gradient_phase",
+        "peak",
+        "margin",
+        "capacity",
+    ]
+    return {
+        "mode": "lora" if plan.setting.lora else "full",
+        "setting": plan.setting.__dict__ | {"targets": list(plan.setting.targets)},
+        "layout": plan.layout,
+        "trainable_parameters": plan.trainable_parameters,
+        "total_parameters": plan.total_parameters,
+        "bytes": {key: getattr(plan, key) for key in keys} | {"persistent": plan.persistent, "needed": plan.needed},
+        "fits": plan.fits,
+    }
+
+
+def report_json(report: MemoryReport) -> dict[str, Any]:
+    """The ``--json`` output of ``lowmem-tpu memory``."""
+
+    def steps(items: list[Step]) -> list[dict[str, Any]]:
+        return [{"technique": s.technique, "override": s.override, "plan": plan_json(s.plan)} for s in items]
+
+    return {
+        "model": report.model,
+        "device": report.device.__dict__,
+        "recipe": plan_json(report.plan) | {"next_steps": steps(report.steps)},
+        "twin": plan_json(report.twin) | {"next_steps": steps(report.twin_steps)},
+    }

@@ -1,0 +1,143 @@
+"""The planner's accuracy grid: planned vs the CPU compiler's per-device peak, fp32.
+
+Two models (the shipped tiny Llama, and a 162M Llama: hidden 768, 12 layers, intermediate 3072,
+vocab 32000), LoRA and full fine-tuning, 1/2/4/8 devices, activation checkpointing on and off.
+Each point compiles the real training step of ``recipes/tiny_lora_cpu.yaml`` (with overrides) in
+its own subprocess and compares the planner (CPU-backend layout) with XLA's buffer assignment.
+
+    python scripts/memory_grid.py                      # the whole grid, ~20 min on 2 cores
+    python scripts/memory_grid.py --models tiny --devices 4 --json grid.json
+    python scripts/memory_grid.py --replan grid.json   # the planner again on rows measured before
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from lowmem_tpu.measure import compile_step  # noqa: E402
+from lowmem_tpu.memory_report import plan_recipe  # noqa: E402
+from lowmem_tpu.recipe import load_recipe  # noqa: E402
+
+LLAMA_162M = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 768,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 12,
+    "vocab_size": 32000,
+    "max_position_embeddings": 2048,
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+# The 162M model runs shorter batches than a real run would (8 x 512 tokens over all devices),
+# still enough tokens that XLA shards activations by batch, as in real runs (see docs/memory.md).
+MODELS = {
+    "tiny": ["model.dtype=float32"],  # the recipe's own: 64 x 24 tokens
+    "162m": ["model.dtype=float32", "data.max_length=512", "train.global_batch_size=8"],
+}
+
+
+def grid_points(models: list[str], devices: list[int]) -> list[tuple[str, str, bool, int]]:
+    return [(m, mode, ckpt, d) for m in models for mode in ("lora", "full") for ckpt in (True, False) for d in devices]
+
+
+def point_recipe(model: str, mode: str, ckpt: bool, devices: int, model_dir: Path):
+    """The tiny recipe with this point's overrides."""
+    overrides = [*MODELS[model], f"lora.enabled={str(mode == 'lora').lower()}"]
+    overrides.append(f"sharding.activation_checkpointing={str(ckpt).lower()}")
+    overrides.append(f"runtime.num_cpu_devices={devices}")
+    if model == "162m":
+        overrides.append(f"model.name_or_path={model_dir}")
+    return load_recipe(ROOT / "recipes" / "tiny_lora_cpu.yaml", overrides)
+
+
+def plan_point(row: dict, model_dir: Path) -> dict:
+    """Add the planner's figures (CPU-backend layout) and the errors to a measured row."""
+    recipe = point_recipe(row["model"], row["mode"], row["checkpointing"], row["devices"], model_dir)
+    plan = plan_recipe(recipe, "cpu").plan
+    return row | {
+        "planned_peak": plan.peak,
+        "peak_error": plan.peak / row["measured_peak"] - 1,
+        "planned_persistent": plan.persistent,
+        "persistent_error": plan.persistent / row["measured_persistent"] - 1,
+    }
+
+
+def measure_point(model: str, mode: str, ckpt: bool, devices: int, model_dir: Path, steady: bool) -> dict:
+    """Compile one point (in a subprocess) and plan it."""
+    started = time.perf_counter()
+    m = compile_step(point_recipe(model, mode, ckpt, devices, model_dir), devices, steady=steady)
+    row = {
+        "model": model,
+        "mode": mode,
+        "checkpointing": ckpt,
+        "devices": devices,
+        "step": m.step,
+        "measured_peak": m.compiler.total_bytes,
+        "measured_persistent": m.state.weights + m.state.gradients + m.state.optimizer,
+        "compile_seconds": m.compile_seconds,
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+    return plan_point(row, model_dir)
+
+
+def table(rows: list[dict]) -> str:
+    """The grid as a Markdown table (MiB per device)."""
+    head = "| model | mode | ckpt | devices | compiler peak MiB | planned MiB | error | persistent error |"
+    lines = [head, "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(
+            f"| {r['model']} | {r['mode']} | {'on' if r['checkpointing'] else 'off'} | {r['devices']} | "
+            f"{r['measured_peak'] / 2**20:,.1f} | {r['planned_peak'] / 2**20:,.1f} | {100 * r['peak_error']:+.1f}% | "
+            f"{100 * r['persistent_error']:+.2f}% |"
+        )
+    worst = max(abs(r["peak_error"]) for r in rows)
+    worst_state = max(abs(r["persistent_error"]) for r in rows)
+    lines.append(f"\nworst peak error {100 * worst:.1f}%, worst persistent-state error {100 * worst_state:.2f}%")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default="tiny,162m", help="comma-separated: tiny, 162m")
+    parser.add_argument("--devices", default="1,2,4,8", help="comma-separated device counts")
+    parser.add_argument("--steady", action="store_true", help="run one real step first, compile the second")
+    parser.add_argument("--json", type=Path, help="also write the rows here")
+    parser.add_argument("--replan", type=Path, nargs="+", help="re-plan rows measured before (their --json files)")
+    args = parser.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="llama-162m-") as tmp:
+        (Path(tmp) / "config.json").write_text(json.dumps(LLAMA_162M))
+        if args.replan:
+            rows = [plan_point(row, Path(tmp)) for path in args.replan for row in json.loads(path.read_text())]
+        for point in (
+            [] if args.replan else grid_points(args.models.split(","), [int(d) for d in args.devices.split(",")])
+        ):
+            row = measure_point(*point, model_dir=Path(tmp), steady=args.steady)
+            rows.append(row)
+            print(
+                f"{row['model']:>5} {row['mode']:>4} ckpt={row['checkpointing']!s:5} d={row['devices']} "
+                f"compiler {row['measured_peak'] / 2**20:9.1f} MiB  planned {row['planned_peak'] / 2**20:9.1f} MiB  "
+                f"{100 * row['peak_error']:+6.1f}%  ({row['seconds']} s)",
+                flush=True,
+            )
+    print("\n" + table(rows))
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,298 @@
+"""The memory planner (pure arithmetic, fast) and one real measurement: the CPU compiler on the tiny recipe."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from lowmem_tpu import memory, memory_report
+from lowmem_tpu.errors import UserError
+from lowmem_tpu.measure import live_at_peak, parse_buffer_assignment, shard_numel
+from lowmem_tpu.recipe import load_recipe
+
+ROOT = Path(__file__).resolve().parents[1]
+HEAVY = ("torch", "torch_xla", "transformers", "trl", "peft", "datasets")
+# A small Llama whose every size is distinct, so a mixed-up dimension shows.
+CONFIG = SimpleNamespace(
+    hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4, vocab_size=100
+)
+SHAPE = memory.shape_of(CONFIG)
+BASE = memory.Setting(
+    lora=False,
+    rank=8,
+    targets=memory.ALL_LINEAR,
+    lora_dropout=0.0,
+    dtype="float32",
+    strategy="fsdp",
+    checkpointing=True,
+    global_batch=8,
+    accumulation=1,
+    length=32,
+    optimizer="adamw",
+    fused_head=False,
+    devices=4,
+)
+GiB = 2**30
+
+
+def cli(*args: str, importtime: bool = False, device: str = "CPU") -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PJRT_DEVICE": device, "COLUMNS": "120", "HF_HUB_OFFLINE": "1"}
+    if importtime:
+        env["PYTHONPROFILEIMPORTTIME"] = "1"
+    return subprocess.run(
+        [sys.executable, "-m", "lowmem_tpu.cli", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+def plan(st: memory.Setting = BASE, layout: str = "tpu", capacity: int = GiB) -> memory.Plan:
+    return memory.plan_setting(SHAPE, st, layout, capacity)
+
+
+# ----------------------------------------------------------------------------- components
+
+
+def test_weights_gradients_and_adamw_state_follow_the_shard_rule():
+    h, i, v, n = 64, 160, 100, 3
+    # FSDP splits each tensor's largest dimension over 4 devices (ceil): embed and head [100, 64]
+    # -> 25 rows; q/k/v/o [64, 64] -> 16 rows; gate/up [160, 64] and down [64, 160] -> 40; norms 16.
+    per_layer = 4 * 16 * h + 3 * 40 * h + 2 * 16
+    expected = (2 * 25 * h + 16 + n * per_layer) * 4
+    p = plan()
+    assert p.weights == expected
+    assert p.gradients == expected  # full fine-tuning: every weight trains, same dtype and sharding
+    assert p.optimizer == 2 * expected  # AdamW: exp_avg and exp_avg_sq shaped like each parameter
+    assert p.total_parameters == p.trainable_parameters == 2 * v * h + h + n * (4 * h * h + 3 * h * i + 2 * h)
+
+
+def test_lora_trains_fp32_adapters_on_a_bf16_base():
+    st = replace(BASE, lora=True, dtype="bfloat16")
+    p = plan(st)
+    r, h, i, n = 8, 64, 160, 3
+    adapters = n * (4 * r * (h + h) + 3 * r * (h + i))
+    assert p.trainable_parameters == adapters
+    assert p.total_parameters == plan(replace(BASE, dtype="bfloat16")).total_parameters + adapters
+    assert p.optimizer == 2 * p.gradients  # adapters in fp32: 4 bytes for each state
+    assert p.weights < plan(replace(BASE, dtype="float32", lora=True)).weights  # the base in bf16
+
+
+def test_adafactor_keeps_factored_fp32_state():
+    adamw, adafactor = plan(), plan(replace(BASE, optimizer="adafactor"))
+    assert adafactor.optimizer < adamw.optimizer / 10
+    # [100, 64] embedding split on rows: its row factor (100) is split 4 ways, its column factor (64) is not.
+    one = memory.optimizer_bytes([memory.Tensor((100, 64), 4, True)], replace(BASE, optimizer="adafactor"))
+    assert one == (25 + 64) * 4
+
+
+def test_replicated_keeps_a_full_copy_per_device():
+    fsdp, replicated = plan(), plan(replace(BASE, strategy="replicated"))
+    assert replicated.weights > 3.5 * fsdp.weights
+    assert replicated.workspace == 0
+
+
+def test_activations_with_and_without_checkpointing():
+    st = BASE
+    layer = memory.layer_activations(SHAPE, st)
+    tokens = 2 * 32  # 8 sequences over 4 devices, 32 tokens each
+    assert layer == tokens * (8 * 64 + 5 * 160) * 4 + 2 * 4 * 32 * 32 * 4
+    assert memory.activations(SHAPE, replace(st, checkpointing=False)) == 3 * layer
+    assert memory.activations(SHAPE, st) == 4 * tokens * 64 * 4 + layer
+    p = plan()
+    assert p.activations_checkpointed < p.activations_not_checkpointed
+    assert p.activations == p.activations_checkpointed
+    # LoRA on gate and up keeps two more intermediate-sized tensors per layer.
+    lora = replace(st, lora=True)
+    assert memory.layer_activations(SHAPE, lora) - layer == tokens * 2 * 160 * 4
+
+
+def test_logits_full_or_chunked():
+    full = memory.logits_bytes(SHAPE, BASE)
+    assert full == 3 * 64 * 100 * 4  # logits, their fp32 copy and gradient
+    chunked = memory.logits_bytes(SHAPE, replace(BASE, fused_head=True))
+    assert chunked == 3 * math.ceil(8 * 31 / 4) * 32768 * 4  # TRL pads the vocabulary to its 32768-wide tile
+    llama, long = replace(SHAPE, vocab=32000), replace(BASE, length=2048, global_batch=32)
+    assert memory.logits_bytes(llama, replace(long, fused_head=True)) < memory.logits_bytes(llama, long) / 10
+
+
+def test_peak_is_persistent_state_plus_the_larger_phase():
+    p = plan()
+    backward = max(p.logits + p.workspace, memory.backward_workspace(SHAPE, BASE))
+    assert p.peak == p.weights + p.optimizer + max(p.activations + backward, p.gradient_phase)
+    assert p.margin == p.peak // 10 + 256 * 2**20
+    assert p.persistent == p.weights + p.gradients + p.optimizer
+    cpu = plan(layout="cpu")  # no reduce-scatter on the CPU backend: whole gradients at the end of backward
+    whole = sum(t.numel * 4 for t in memory.parameters(SHAPE, BASE)) + 100 * 64 * 4  # + the LM head twice
+    assert cpu.gradient_phase == whole + memory.layer_activations(SHAPE, BASE)
+    assert p.gradient_phase == p.gradients + memory.layer_activations(SHAPE, BASE)
+
+
+def test_fits_and_does_not_fit():
+    p = plan(capacity=GiB)
+    assert p.fits and p.needed <= GiB
+    small = plan(capacity=p.needed - 1)
+    assert not small.fits
+
+
+# ----------------------------------------------------------------------------- suggestions and twin
+
+
+def test_suggestions_turn_techniques_on_in_order_until_it_fits():
+    llama = replace(SHAPE, vocab=32000)
+    worst = replace(BASE, strategy="replicated", checkpointing=False, length=1024, global_batch=16)
+    start = memory.plan_setting(llama, worst, "tpu", GiB)
+    steps = memory_report.next_steps(llama, replace(start, capacity=start.needed // 3))
+    names = [s.override for s in steps]
+    assert names[:3] == ["sharding.strategy=fsdp", "sharding.activation_checkpointing=true", "train.fused_lm_head=true"]
+    # Accumulation is never suggested: the trainer's micro-batches overlap in one XLA program.
+    assert not any(n.startswith("train.gradient_accumulation_steps") for n in names)
+    peaks = [start.peak] + [s.plan.peak for s in steps]
+    assert all(b < a for a, b in itertools.pairwise(peaks))
+    assert steps[-1].plan.fits
+
+
+def test_suggestions_stop_when_nothing_is_left():
+    steps = memory_report.next_steps(SHAPE, plan(capacity=1))
+    assert steps and not steps[-1].plan.fits
+    known = {"train.optimizer=adafactor", "lora.enabled=true", "train.fused_lm_head=true"}
+    assert {s.override for s in steps} <= known | {"data.max_length=16"}
+    text = "\n".join(memory_report.format_plan("the recipe", plan(capacity=1), steps))
+    assert "nothing left to turn on" in text
+
+
+def test_plan_recipe_has_a_twin_and_the_shipped_configs():
+    report = memory_report.plan_recipe(load_recipe(ROOT / "recipes/open_llama_lora.yaml"), "v3-8")
+    assert report.plan.setting.lora and not report.twin.setting.lora
+    assert report.device.devices == 8 and report.device.hbm_bytes == 16 * GiB
+    assert 3.4e9 < report.twin.trainable_parameters < 3.5e9  # Open Llama 3B v2's exact architecture
+    assert 25e6 < report.plan.trainable_parameters < 26e6
+    assert report.plan.fits
+    seven = memory_report.plan_recipe(
+        load_recipe(ROOT / "recipes/open_llama_full.yaml", ["model.name_or_path=openlm-research/open_llama_7b_v2"]),
+        "v2-8",
+    )
+    assert 6.7e9 < seven.plan.total_parameters < 6.8e9
+    text = memory_report.format_report(report)
+    assert "its twin (lora.enabled=false)" in text and "margin for XLA workspace" in text
+
+
+def test_unknown_model_type_and_bad_batch_are_user_errors():
+    with pytest.raises(UserError, match="Llama-like"):
+        memory.shape_of(SimpleNamespace(model_type="t5", d_model=512))
+    recipe = load_recipe(ROOT / "recipes/tiny_lora_cpu.yaml", ["train.global_batch_size=4"])  # 4 CPU devices
+    with pytest.raises(UserError, match="does not split over 8 devices"):
+        memory_report.plan_recipe(recipe, "v3-8")
+
+
+# ----------------------------------------------------------------------------- the command line
+
+
+def test_memory_command_prints_both_modes_without_heavy_imports():
+    done = cli("memory", "recipes/open_llama_lora.yaml", "--device", "v3-8", importtime=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "LoRA, 25,425,920 trainable" in done.stdout and "full fine-tuning, 3,426,473,600 trainable" in done.stdout
+    assert "of 16 GiB: fits" in done.stdout
+    loaded = {line.split("|")[-1].strip().split(".")[0] for line in done.stderr.splitlines() if "import time:" in line}
+    assert not loaded & set(HEAVY)
+
+
+def test_memory_json_and_the_suggestion_chain():
+    done = cli(
+        "memory",
+        "recipes/open_llama_full.yaml",
+        "train.optimizer=adamw",
+        "sharding.activation_checkpointing=false",
+        "--device",
+        "v2-8",
+        "--json",
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    data = json.loads(done.stdout)
+    assert data["device"]["name"] == "v2-8" and data["recipe"]["mode"] == "full" and data["twin"]["mode"] == "lora"
+    assert not data["recipe"]["fits"]
+    steps = data["recipe"]["next_steps"]
+    assert steps[0]["override"] == "sharding.activation_checkpointing=true"
+    assert steps[-1]["plan"]["fits"]
+    assert data["recipe"]["bytes"]["weights"] == 856_618_400  # 3.43 B bf16 parameters / 8 devices
+
+
+def test_unknown_device_lists_the_known_ones():
+    done = cli("memory", "recipes/tiny_lora_cpu.yaml", "--device", "v9-8")
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "unknown device 'v9-8'" in done.stderr and "v3-8" in done.stderr and "cpu" in done.stderr
+
+
+def test_model_without_an_offline_config_says_how_to_supply_it():
+    done = cli("memory", "recipes/open_llama_lora.yaml", "model.name_or_path=acme/no-such-model")
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "not available offline" in done.stderr and "config.json" in done.stderr
+    assert "acme__no-such-model.json" in done.stderr
+
+
+# ----------------------------------------------------------------------------- reading the compiler
+
+
+def test_buffer_assignment_and_shard_sizes_are_parsed(tmp_path):
+    text = (
+        "allocation 0: size 400, parameter 0, shape |f32[10,10]| at ShapeIndex {}:\n"
+        "allocation 1: size 1000, preallocated-temp:\n"
+        "allocation 2: size 64, maybe-live-out:\n"
+        "Total bytes used: 1464 (1.4KiB)\n"
+        "  Live ranges at 7 (peak):\n"
+        "    dot.3{}: 1000 bytes (cumulative: 1000 bytes)\n"
+        "    param.0{}: 234 bytes (cumulative: 1234 bytes)\n"
+        "  Stack trace breakdown for peak usage: 1 234 bytes\n"
+    )
+    path = tmp_path / "module_0001.SyncTensorsGraph.9.cpu_after_optimizations-buffer-assignment.txt"
+    path.write_text(text)
+    hlo = "ENTRY %main {\n  %dot.3 = f32[25,10]{1,0} dot(%a, %b)\n}\n"
+    (tmp_path / "module_0001.SyncTensorsGraph.9.cpu_after_optimizations.txt").write_text(hlo)
+    assert live_at_peak(path) == [("dot.3", "f32[25,10]", 1000), ("param.0", "?", 234)]
+    f = parse_buffer_assignment(path)
+    assert (f.total_bytes, f.parameter_bytes, f.temp_bytes, f.output_bytes, f.peak_live_bytes) == (
+        1464,
+        400,
+        1000,
+        64,
+        1234,
+    )
+    assert f.module == "module_0001.SyncTensorsGraph.9"
+    assert shard_numel((10, 7), "{devices=[4,1]0,1,2,3}") == 3 * 7
+    assert shard_numel((10, 7), "{replicated}") == 70 and shard_numel((10, 7), "") == 70
+    assert shard_numel((8, 6), "{devices=[2,1,2]0,1,2,3 last_tile_dim_replicate}") == 4 * 6
+
+
+@pytest.mark.slow
+def test_compare_on_the_cpu_compiler_matches_the_planner(tmp_path):
+    """The real step of the tiny recipe, LoRA and full, compiled for 4 CPU devices: planner vs compiler."""
+    done = cli("compare", "recipes/tiny_lora_cpu.yaml", "--out", str(tmp_path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "CPU compiler" in done.stdout and "not run" in done.stdout
+    result = json.loads((tmp_path / "compare.json").read_text())
+    assert (tmp_path / "compare.png").read_bytes()[:4] == b"\x89PNG"
+    for name in ("lora", "full"):
+        mode = result["modes"][name]
+        measured, planned = mode["measured"], mode["planned"]
+        assert measured["devices"] == 4 and mode["layout"] == "cpu"
+        assert abs(planned["peak"] / measured["peak"] - 1) < 0.15, (name, planned["peak"], measured["peak"])
+        persistent = sum(measured["segments"][k] for k in ("weights", "optimizer", "gradients"))
+        planned_persistent = sum(planned["segments"][k] for k in ("weights", "optimizer", "gradients"))
+        assert abs(planned_persistent / persistent - 1) < 0.02, (name, planned_persistent, persistent)
+        assert measured["compiler"]["total_bytes"] == measured["peak"] > measured["compiler"]["temp_bytes"] > 0
+
+
+@pytest.mark.tpu
+@pytest.mark.skipif(os.environ.get("PJRT_DEVICE", "CPU").upper() != "TPU", reason="needs a TPU")
+def test_compare_on_a_tpu_reads_the_runtime_peak(tmp_path):  # pragma: no cover - TPU only
+    args = ("compare", "recipes/tiny_lora_cpu.yaml", "runtime.device=tpu", "--steps", "3", "--out", str(tmp_path))
+    done = cli(*args, device="TPU")
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((tmp_path / "compare.json").read_text())
+    assert result["modes"]["lora"]["measured"]["tokens_per_second"] > 0
