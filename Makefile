@@ -11,7 +11,7 @@ install: $(STAMP)
 
 $(STAMP): constraints.txt pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[dev,plot,scan]"
+	$(VENV)/bin/pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[dev,plot]"
 	rm -f $(VENV)/.installed-* && touch $(STAMP)
 
 demo: $(STAMP)

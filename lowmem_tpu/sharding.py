@@ -128,9 +128,9 @@ def _require_scan_extra() -> None:
     try:
         import jax  # noqa: F401
         import torchax  # noqa: F401
-    except ImportError:
+    except ImportError as err:
         raise UserError(
-            "sharding.scan_layers: needs jax and torchax; install them with: "
+            f"sharding.scan_layers: needs jax and torchax ({err}); install them with: "
             "pip install -c constraints.txt -e '.[scan]'"
         ) from None
 
