@@ -179,8 +179,3 @@ def wrap_model(model: nn.Module, cfg: ShardingSection, runtime: Runtime) -> nn.M
         auto_wrap_policy=policy,
         auto_wrapper_callable=wrap_layer,
     )
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The module inside an FSDPv2 wrapper (layers stay wrapped in place)."""
-    return getattr(model, "module", model) if type(model).__name__ == "SpmdFullyShardedDataParallel" else model
