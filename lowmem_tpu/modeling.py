@@ -65,6 +65,10 @@ def check_model(recipe: Recipe) -> str:
     positions = getattr(config, "max_position_embeddings", None)
     if positions and recipe.data.max_length > positions:
         raise UserError(f"data.max_length: {recipe.data.max_length} exceeds the model's {positions} positions")
+    if recipe.model.quantize != "none":
+        from lowmem_tpu.quantize import check_quantizable
+
+        check_quantizable(config, recipe.model.quantize_lm_head)
     model = meta_model(config)
     layer = layer_class(model, recipe.sharding.layer_class)
     params = sum(p.numel() for p in model.parameters())
@@ -101,11 +105,30 @@ def torch_dtype(name: str) -> Any:
 
 
 def load_model(cfg: ModelSection, seed: int) -> Any:
-    """The base causal LM on the host, in the recipe's dtype (random weights if asked)."""
+    """The base causal LM on the host, in the recipe's dtype (random weights if asked).
+
+    With ``model.quantize`` a checkpoint is quantized as it is read; a random-init base is
+    returned in full precision (it is saved as the adapter's base) for ``quantize_base``.
+    """
     import torch
     from transformers import AutoModelForCausalLM
 
     dtype = torch_dtype(cfg.dtype)
+    if cfg.quantize != "none" and not cfg.random_init:
+        from lowmem_tpu.quantize import load_quantized
+
+        source = resolve_source(cfg.name_or_path)
+        config = load_config(cfg)
+        return load_quantized(
+            source,
+            cfg.revision,
+            config,
+            cfg.quantize,
+            cfg.quantize_group_size,
+            cfg.quantize_lm_head,
+            dtype,
+            cfg.attn_implementation,
+        )
     if cfg.random_init:
         config = load_config(cfg)
         torch.manual_seed(seed)
@@ -123,6 +146,15 @@ def load_model(cfg: ModelSection, seed: int) -> Any:
             ) from None
     model.config.use_cache = False
     return model
+
+
+def quantize_base(model: Any, cfg: ModelSection) -> int:
+    """Quantize what ``load_model`` left in full precision (a random-init base); returns the layer count."""
+    if cfg.quantize == "none":
+        return 0
+    from lowmem_tpu.quantize import quantize_model
+
+    return quantize_model(model, cfg.quantize, cfg.quantize_group_size, cfg.quantize_lm_head)
 
 
 def align_special_tokens(model: Any, tokenizer: Any) -> None:
@@ -156,9 +188,11 @@ def apply_lora(model: Any, recipe: Recipe) -> Any:
 
 
 def count_parameters(model: Any) -> tuple[int, int]:
-    """(trainable, total) parameter counts."""
+    """(trainable, total) parameter counts; a quantized weight counts as the weights it stands for."""
+    from lowmem_tpu.quantize import logical_parameters
+
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return trainable, sum(p.numel() for p in model.parameters())
+    return trainable, logical_parameters(model)
 
 
 def flops_per_token(config: Any, total: int, trainable: int, seq_len: int, lora: bool) -> float:

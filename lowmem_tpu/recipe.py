@@ -120,6 +120,15 @@ class ModelSection(Section):
     attn_implementation: Literal["eager", "sdpa"] = Field(
         "eager", description="Attention kernel; eager is the XLA-friendly default."
     )
+    quantize: Literal["none", "int8", "int4"] = Field(
+        "none",
+        description="Freeze the base's decoder linears in int8 (one scale per output row) or int4 "
+        "(one scale per group of inputs, two per byte), quantized while loading; LoRA only (QLoRA).",
+    )
+    quantize_group_size: Literal[32, 64, 128, 256] = Field(
+        64, description="int4: inputs sharing one scale (smaller = more accurate, more scales)."
+    )
+    quantize_lm_head: bool = Field(False, description="Quantize the LM head too (not when tied to the embedding).")
 
     @field_validator("dtype", mode="before")
     @classmethod
@@ -127,6 +136,11 @@ class ModelSection(Section):
         if str(value).lower() in {"float16", "fp16", "half", "torch.float16"}:
             raise ValueError("fp16 is not a TPU training dtype: TPUs train in bfloat16 (use model.dtype: bfloat16)")
         return value
+
+    @field_validator("quantize", mode="before")
+    @classmethod
+    def _no_quantize(cls, value: Any) -> Any:
+        return "none" if value is None or value is False else value
 
     @field_validator("name_or_path", "tokenizer")
     @classmethod
@@ -330,6 +344,13 @@ def cross_problems(recipe: Recipe) -> list[tuple[tuple[str, ...], str]]:
         if "name_or_path" not in model.model_fields_set:
             message += " (it is the default model: set model.name_or_path to a Hub id or directory to use another)"
         problems.append((("model.name_or_path", "model.random_init"), f"model.random_init: {message}"))
+    if model.quantize != "none" and not recipe.lora.enabled:
+        message = (
+            f"model.quantize: {model.quantize} freezes the base in {model.quantize}, but lora.enabled is false "
+            "(full fine-tuning trains every base weight, which needs them in full precision); "
+            "set lora.enabled: true to train LoRA adapters on the quantized base (QLoRA), or model.quantize: none"
+        )
+        problems.append((("model.quantize", "lora.enabled"), message))
     if recipe.hub.push and not recipe.hub.repo_id:
         problems.append((("hub.push", "hub.repo_id"), "hub.repo_id: required when hub.push is true (OWNER/NAME)"))
     if t.eval_samples and not data.eval_path:

@@ -175,10 +175,12 @@ def _build(recipe: Recipe, runtime, tokenizer, train_ds, eval_ds, micro: int, ou
     from lowmem_tpu.trainer import GuardCallback, MetricsCallback, XlaSFTTrainer, training_args
 
     init = ", random init" if recipe.model.random_init else ""
-    say(f"loading {recipe.model.name_or_path} ({recipe.model.dtype}{init})")
+    quant = f", {recipe.model.quantize} base" if recipe.model.quantize != "none" else ""
+    say(f"loading {recipe.model.name_or_path} ({recipe.model.dtype}{init}{quant})")
     model = modeling.load_model(recipe.model, recipe.train.seed)
     modeling.align_special_tokens(model, tokenizer)
     base = _base_reference(recipe, model, tokenizer, out)
+    modeling.quantize_base(model, recipe.model)  # after saving a random-init base in full precision
     model = modeling.apply_lora(model, recipe)
     trainable, total = modeling.count_parameters(model)
     what = "LoRA" if recipe.lora.enabled else "full fine-tuning"

@@ -1,0 +1,309 @@
+"""A frozen int8 or int4 base for QLoRA-style training, in plain PyTorch that XLA compiles.
+
+Each quantized projection keeps an integer weight and its scales and dequantizes inside
+its forward pass (``q.to(dtype) * scale``), so XLA gathers the small integer shards and
+the full-precision weight of one projection exists only while it is used.
+
+- int8: symmetric, one scale per output row (``w ~ q * scale``, ``q`` in [-127, 127]).
+- int4: symmetric, one scale per group of ``group_size`` inputs (``q`` in [-7, 7]), two
+  values per byte (low nibble first). An input width that is not a multiple of the group
+  is zero-padded to one, and the padding is sliced off after dequantizing.
+
+Scales are kept in the model's dtype; the integers are rounded against the stored scale,
+so the scale's own rounding adds no error. A checkpoint is quantized while it is read,
+one tensor at a time (``load_quantized``), so the full-precision model never exists in
+memory as a whole.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lowmem_tpu.errors import UserError
+
+BITS = {"int8": 8, "int4": 4}
+QMAX = {8: 127, 4: 7}
+
+
+def quantize_weight(weight: torch.Tensor, bits: int, group_size: int, dtype: torch.dtype):
+    """``(q, scale)`` of a 2-D weight: int8 ``[out, in]`` + ``[out, 1]``, or packed uint8
+    ``[out, padded_in / 2]`` + ``[out, padded_in / group_size]`` for int4."""
+    w = weight.detach().to(torch.float32)
+    out_features, in_features = w.shape
+    qmax = QMAX[bits]
+    if bits == 8:
+        grouped = w.unsqueeze(1)  # one group: the whole row
+    else:
+        padded = math.ceil(in_features / group_size) * group_size
+        grouped = F.pad(w, (0, padded - in_features)).view(out_features, -1, group_size)
+    absmax = grouped.abs().amax(dim=-1, keepdim=True)
+    scale = (absmax / qmax).clamp(min=torch.finfo(torch.float32).tiny).to(dtype)
+    q = torch.round(grouped / scale.to(torch.float32)).clamp(-qmax, qmax).to(torch.int8)
+    if bits == 8:
+        return q.view(out_features, in_features), scale.view(out_features)
+    scale = scale.squeeze(-1)
+    nibbles = (q.view(out_features, -1) + 8).to(torch.uint8)  # 1..15; 8 is zero
+    return nibbles[:, 0::2] | (nibbles[:, 1::2] << 4), scale
+
+
+def dequantize_weight(
+    q: torch.Tensor, scale: torch.Tensor, bits: int, group_size: int, in_features: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """The ``[out, in]`` weight in ``dtype`` (on whatever device ``q`` lives)."""
+    if bits == 8:
+        return q.to(dtype) * scale.to(dtype).unsqueeze(-1)
+    out_features = q.shape[0]
+    low, high = q & 15, q >> 4
+    values = torch.stack((low, high), dim=-1).view(out_features, -1, group_size).to(dtype) - 8
+    weight = (values * scale.to(dtype).unsqueeze(-1)).view(out_features, -1)
+    return weight[:, :in_features] if weight.shape[1] != in_features else weight
+
+
+class QuantizedLinear(nn.Linear):
+    """A frozen linear layer with an int8 or packed-int4 weight, dequantized in ``forward``.
+
+    It is an ``nn.Linear`` to PEFT (which wraps it with LoRA, ``all-linear`` included). Its
+    ``qweight`` (integers) and ``scale`` are frozen parameters, so sharding places and shards
+    them like any other; ``weight`` names the integers, so code that would write into a float
+    weight (merging an adapter into this layer) fails instead of silently doing nothing.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        bits: int,
+        group_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str | None = None,
+    ):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = in_features, out_features
+        self.bits, self.group_size, self.compute_dtype = bits, group_size, dtype
+        if bits == 8:
+            q_shape, s_shape = (out_features, in_features), (out_features,)
+            q_dtype = torch.int8
+        else:
+            groups = math.ceil(in_features / group_size)
+            q_shape, s_shape = (out_features, groups * group_size // 2), (out_features, groups)
+            q_dtype = torch.uint8
+        self.qweight = nn.Parameter(torch.zeros(q_shape, dtype=q_dtype, device=device), requires_grad=False)
+        self.scale = nn.Parameter(torch.ones(s_shape, dtype=dtype, device=device), requires_grad=False)
+        self.bias = (
+            nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
+        )
+
+    @classmethod
+    def like(cls, linear: nn.Linear, bits: int, group_size: int, dtype: torch.dtype) -> QuantizedLinear:
+        """An empty quantized twin of ``linear``, on the same device (``meta`` stays ``meta``)."""
+        device = linear.weight.device
+        return cls(linear.in_features, linear.out_features, linear.bias is not None, bits, group_size, dtype, device)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.qweight
+
+    @torch.no_grad()
+    def load_weight(self, weight: torch.Tensor) -> None:
+        """Quantize a full-precision ``[out, in]`` weight into this layer (on the host)."""
+        if tuple(weight.shape) != (self.out_features, self.in_features):
+            raise ValueError(
+                f"weight of shape {tuple(weight.shape)} for a {self.out_features}x{self.in_features} layer"
+            )
+        q, scale = quantize_weight(weight, self.bits, self.group_size, self.compute_dtype)
+        self.qweight = nn.Parameter(q, requires_grad=False)
+        self.scale = nn.Parameter(scale, requires_grad=False)
+
+    def dequantized(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return dequantize_weight(
+            self.qweight, self.scale, self.bits, self.group_size, self.in_features, dtype or self.compute_dtype
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.dequantized(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+
+    def extra_repr(self) -> str:
+        group = f", group_size={self.group_size}" if self.bits == 4 else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, int{self.bits}{group}"
+
+
+# ----------------------------------------------------------------------------- which layers
+
+
+def quantized_names(model: nn.Module, lm_head: bool) -> list[str]:
+    """Every ``nn.Linear`` of the decoder layers (and the LM head if asked), by module name."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    names = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and not isinstance(module, QuantizedLinear):
+            if module is head and not lm_head:
+                continue
+            names.append(name)
+    return names
+
+
+def check_quantizable(config: Any, lm_head: bool) -> None:
+    """Refuse a quantized LM head that shares its weight with the input embedding."""
+    if lm_head and getattr(config, "tie_word_embeddings", False):
+        raise UserError(
+            "model.quantize_lm_head: this model ties its LM head to the input embedding, which stays "
+            "unquantized; set model.quantize_lm_head: false"
+        )
+
+
+def swap_linears(model: nn.Module, bits: int, group_size: int, lm_head: bool, dtype: torch.dtype) -> list[str]:
+    """Replace the linears to quantize by empty ``QuantizedLinear``s (for a model on ``meta``)."""
+    names = quantized_names(model, lm_head)
+    for name in names:
+        _replace(model, name, QuantizedLinear.like(model.get_submodule(name), bits, group_size, dtype))
+    return names
+
+
+@torch.no_grad()
+def quantize_model(model: nn.Module, method: str, group_size: int, lm_head: bool = False) -> int:
+    """Quantize a loaded model's linears in place, one at a time; returns how many were quantized."""
+    names = quantized_names(model, lm_head)
+    for name in names:
+        linear = model.get_submodule(name)
+        layer = QuantizedLinear.like(linear, BITS[method], group_size, linear.weight.dtype)
+        layer.load_weight(linear.weight)
+        if linear.bias is not None:
+            layer.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+        _replace(model, name, layer)
+    return len(names)
+
+
+def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, module)
+
+
+# ----------------------------------------------------------------------------- loading a checkpoint
+
+
+def logical_parameters(model: nn.Module) -> int:
+    """Parameters of the model as if unquantized (a packed int4 byte holds two weights)."""
+    stored = {id(p): p.numel() for p in model.parameters()}
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear):
+            stored[id(module.qweight)] = module.in_features * module.out_features
+            del stored[id(module.scale)]
+    return sum(stored.values())
+
+
+def weight_files(directory: Path) -> list[Path]:
+    """The checkpoint files of a model directory: safetensors first, else PyTorch ``.bin``."""
+    for index_name, single in (
+        ("model.safetensors.index.json", "model.safetensors"),
+        ("pytorch_model.bin.index.json", "pytorch_model.bin"),
+    ):
+        index = directory / index_name
+        if index.is_file():
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            return [directory / shard for shard in shards]
+        if (directory / single).is_file():
+            return [directory / single]
+    return []
+
+
+def read_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` of every tensor in the files, one at a time (memory-mapped reads)."""
+    from safetensors import safe_open
+
+    for path in files:
+        if path.suffix == ".safetensors":
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open is not iterable
+                    yield name, f.get_tensor(name)
+        else:
+            state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+            for name in list(state):
+                yield name, state.pop(name)
+
+
+def model_directory(source: str, revision: str | None) -> Path:
+    """A local model directory, or the Hub snapshot of its config and weights (downloaded once)."""
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return path
+    from huggingface_hub import list_repo_files, snapshot_download
+
+    try:
+        files = list_repo_files(source, revision=revision)
+        kind = "*.safetensors" if any(f.endswith(".safetensors") for f in files) else "*.bin"
+        return Path(snapshot_download(source, revision=revision, allow_patterns=["*.json", kind]))
+    except Exception as err:  # hub and network errors come in many types; each means "cannot fetch"
+        raise UserError(
+            f"model.name_or_path: cannot fetch the weights of {source!r} ({type(err).__name__}: {err}); "
+            "give a local directory or a reachable Hub id"
+        ) from None
+
+
+@torch.no_grad()
+def load_quantized(
+    source: str, revision: str | None, config: Any, method: str, group_size: int, lm_head: bool, dtype, attn: str
+):
+    """Build the model on ``meta`` and fill it from the checkpoint, quantizing each weight as it is read."""
+    from transformers import AutoModelForCausalLM
+
+    directory = model_directory(source, revision)
+    files = weight_files(directory)
+    if not files:
+        raise UserError(
+            f"model.name_or_path: {directory} holds no model.safetensors or pytorch_model.bin "
+            "(or their .index.json); give the directory of a saved model"
+        )
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
+    swap_linears(model, BITS[method], group_size, lm_head, dtype)
+    expected = {name for name, _ in model.named_parameters()} | set(dict(model.named_buffers()))
+    loaded: set[str] = set()
+    for name, tensor in read_tensors(files):
+        if name in expected:
+            _assign(model, name, tensor, dtype)
+            loaded.add(name)
+        elif name.endswith(".weight") and name[: -len(".weight")] + ".qweight" in expected:
+            model.get_submodule(name[: -len(".weight")]).load_weight(tensor)
+            loaded.add(name[: -len(".weight")] + ".qweight")
+            loaded.add(name[: -len(".weight")] + ".scale")
+    if getattr(model.config, "tie_word_embeddings", False):
+        model.tie_weights()
+    _initialize_rest(model)
+    missing = sorted(n for n, p in model.named_parameters() if p.is_meta)
+    if missing:
+        raise UserError(
+            f"model.name_or_path: {directory} lacks weights for {len(missing)} parameters "
+            f"(first: {', '.join(missing[:3])}); is it a checkpoint of this architecture?"
+        )
+    model.config.use_cache = False
+    return model
+
+
+def _assign(model: nn.Module, name: str, tensor: torch.Tensor, dtype: torch.dtype) -> None:
+    module_name, _, leaf = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    value = tensor.to(dtype, copy=True) if tensor.is_floating_point() else tensor.clone()
+    if leaf in module._parameters:
+        module._parameters[leaf] = nn.Parameter(value, requires_grad=False)
+    else:
+        module._buffers[leaf] = value
+
+
+def _initialize_rest(model: nn.Module) -> None:
+    """Non-persistent buffers (rotary frequencies) are not in checkpoints: compute them as transformers does."""
+    for module in model.modules():
+        if any(b.is_meta for b in module.buffers(recurse=False)):
+            params = {n: p for n, p in module.named_parameters(recurse=False)}
+            module.to_empty(device="cpu", recurse=False)
+            for n, p in params.items():
+                module._parameters[n] = p  # keep loaded (or still missing) parameters as they were
+            model._init_weights(module)
