@@ -298,9 +298,13 @@ class GuardCallback(TrainerCallback):
 
 
 class MetricsCallback(TrainerCallback):
-    """Collects the log history and the XLA compile count after every step."""
+    """Collects the log history and this run's XLA compile count after every step.
+
+    Counts start when the callback is made, so several runs in one process each count their own.
+    """
 
     def __init__(self) -> None:
+        self.compiles_at_start, self.compile_seconds_at_start = rt.compile_count(), rt.compile_seconds()
         self.compiles_by_step: dict[int, int] = {}
         self.logs: list[dict[str, float]] = []
         self.first_log_step: int | None = None
@@ -314,7 +318,7 @@ class MetricsCallback(TrainerCallback):
         self.training = False
 
     def on_step_end(self, args, state, control, **kwargs) -> None:
-        self.compiles_by_step[state.global_step] = rt.compile_count()
+        self.compiles_by_step[state.global_step] = rt.compile_count() - self.compiles_at_start
 
     def on_log(self, args, state, control, logs=None, **kwargs) -> None:
         entry = {"step": state.global_step, **(logs or {})}
