@@ -62,13 +62,16 @@ def compare_recipe(recipe: Recipe, steps: int, out: Path) -> dict[str, Any]:
     shape = memory.shape_of(config)
     modes: dict[str, Any] = {}
     for name, enabled in (("lora", True), ("full", False)):
-        variant = measure.load_recipe_text(recipe, [f"lora.enabled={str(enabled).lower()}"])
+        # Full fine-tuning trains the base itself: a quantized (QLoRA) recipe's twin is unquantized.
+        unquantized = [] if enabled else ["model.quantize=none"]
+        variant = measure.load_recipe_text(recipe, [f"lora.enabled={str(enabled).lower()}", *unquantized])
         measured = _measured(variant, steps)
         layout = "tpu" if _on_tpu(variant) else "cpu"
         setting = memory.setting_of(variant, measured["devices"])
         plan = memory.plan_setting(shape, setting, layout, 0)
         modes[name] = {"planned": _planned(plan), "measured": measured, "layout": layout}
     result = {"model": recipe.model.name_or_path, "dtype": recipe.model.dtype, "modes": modes}
+    result["quantize"] = recipe.model.quantize if recipe.lora.enabled else "none"
     out.mkdir(parents=True, exist_ok=True)
     (out / "compare.json").write_text(json.dumps(result, indent=2))
     try:
@@ -88,7 +91,9 @@ def format_compare(result: dict[str, Any]) -> str:
     """Planned beside measured, per device, for both modes."""
     lora, full = result["modes"]["lora"], result["modes"]["full"]
     header = f"  {'per device':<26}{'LoRA planned':>14}{'measured':>12}{'full planned':>16}{'measured':>12}"
-    lines = [f"{result['model']} ({result['dtype']}), {lora['measured']['devices']} devices", header]
+    quant = result.get("quantize", "none")
+    base = f", LoRA on an {quant} base" if quant != "none" else ""
+    lines = [f"{result['model']} ({result['dtype']}{base}), {lora['measured']['devices']} devices", header]
     for segment in (*SEGMENTS, "peak"):
         cells = []
         for mode in (lora, full):

@@ -146,6 +146,8 @@ class PersistentState:
 
 def persistent_state(model: Any, optimizer: Any) -> PersistentState:
     """Weights and optimizer state as the devices hold them; gradients as the trainable weights."""
+    from lowmem_tpu.quantize import logical_parameters
+
     params = list({id(p): p for p in model.parameters()}.values())
     trainable = [p for p in params if p.requires_grad]
     states = [v for s in optimizer.state.values() for v in s.values() if hasattr(v, "device")]
@@ -154,7 +156,7 @@ def persistent_state(model: Any, optimizer: Any) -> PersistentState:
         gradients=device_bytes(trainable),
         optimizer=device_bytes(states),
         trainable_parameters=sum(p.numel() for p in trainable),
-        total_parameters=sum(p.numel() for p in params),
+        total_parameters=logical_parameters(model),  # a packed int4 byte holds two weights
     )
 
 
@@ -162,13 +164,15 @@ def persistent_state(model: Any, optimizer: Any) -> PersistentState:
 
 
 def build_sharded_model(recipe: Recipe, runtime: Any) -> Any:
-    """The recipe's model (LoRA applied) with random weights, materialized one module at a time.
+    """The recipe's model (quantized and LoRA applied) with random weights, one module at a time.
 
-    The model is built on the ``meta`` device; each module's own parameters are then created
-    on the host and moved by ``sharding.place_parameters``, which shards each on arrival. The
-    host never holds more than one module, so a 3B model fits where a full host copy would not.
-    The device ends up holding exactly what ``lowmem-tpu sft`` places (same shapes, dtypes,
-    shardings); only the values differ, which memory does not depend on.
+    The model is built on the ``meta`` device, its linears swapped for ``QuantizedLinear``s when
+    ``model.quantize`` asks (before LoRA, as ``lowmem-tpu sft`` does); each module's own parameters
+    are then created on the host (random integers for a quantized weight) and moved by
+    ``sharding.place_parameters``, which shards each on arrival. The host never holds more than
+    one module, so a 3B model fits where a full host copy would not. The device ends up holding
+    exactly what ``lowmem-tpu sft`` places (same shapes, dtypes, shardings); only the values
+    differ, which memory does not depend on.
     """
     import torch
     from transformers import AutoModelForCausalLM
@@ -183,6 +187,11 @@ def build_sharded_model(recipe: Recipe, runtime: Any) -> Any:
             config, dtype=modeling.torch_dtype(recipe.model.dtype), attn_implementation=recipe.model.attn_implementation
         )
     model.config.use_cache = False
+    if recipe.model.quantize != "none":
+        from lowmem_tpu.quantize import BITS, swap_linears
+
+        bits, dtype = BITS[recipe.model.quantize], modeling.torch_dtype(recipe.model.dtype)
+        swap_linears(model, bits, recipe.model.quantize_group_size, recipe.model.quantize_lm_head, dtype)
     model = modeling.apply_lora(model, recipe)
     for module in model.modules():
         own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
@@ -191,7 +200,12 @@ def build_sharded_model(recipe: Recipe, runtime: Any) -> Any:
         module.to_empty(device="cpu", recurse=False)
         with torch.no_grad():
             for param in module.parameters(recurse=False):
-                param.normal_(0.0, 0.02)
+                if param.is_floating_point():
+                    param.normal_(0.0, 0.02)
+                elif param.dtype == torch.uint8:  # packed int4: two nibbles in 1..15
+                    param.random_(0, 256)
+                else:  # int8 weights in the quantizer's range
+                    param.random_(-127, 128)
         place_parameters(module, runtime, recipe.sharding.strategy)
     if getattr(model.config, "tie_word_embeddings", False):
         model.tie_weights()

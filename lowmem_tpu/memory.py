@@ -24,6 +24,7 @@ from lowmem_tpu.recipe import Recipe
 GiB = 2**30
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+QUANT_BITS = {"int8": 8, "int4": 4}  # quantize.BITS, without importing torch
 
 
 @dataclass(frozen=True)
@@ -146,6 +147,14 @@ class Setting:
     optimizer: str
     fused_head: bool
     devices: int
+    quantize: str = "none"  # the frozen base's decoder linears: none, int8 or int4 (LoRA only)
+    group_size: int = 64  # int4: inputs sharing one scale
+    quantize_lm_head: bool = False
+
+    @property
+    def bits(self) -> int:
+        """Bits per quantized weight (0: not quantized)."""
+        return QUANT_BITS.get(self.quantize, 0)
 
     @property
     def sequences(self) -> int:
@@ -188,6 +197,9 @@ def setting_of(recipe: Recipe, devices: int) -> Setting:
         optimizer=t.optimizer,
         fused_head=getattr(t, "fused_lm_head", False),
         devices=devices,
+        quantize=getattr(recipe.model, "quantize", "none"),
+        group_size=getattr(recipe.model, "quantize_group_size", 64),
+        quantize_lm_head=getattr(recipe.model, "quantize_lm_head", False),
     )
     micro = t.global_batch_size // t.gradient_accumulation_steps
     if micro % devices or t.global_batch_size % t.gradient_accumulation_steps:
@@ -206,26 +218,52 @@ def setting_of(recipe: Recipe, devices: int) -> Setting:
 
 @dataclass(frozen=True)
 class Tensor:
-    """One parameter: its shape, bytes per element and whether it trains."""
+    """One parameter: its shape, bytes per element and whether it trains.
+
+    ``stands_for`` is how many model parameters it holds when that is not its element count: a
+    quantized weight stands for ``out * in`` weights (two per byte packed in int4), its scales for none.
+    """
 
     shape: tuple[int, ...]
     itemsize: int
     trainable: bool
+    stands_for: int | None = None
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
 
+    @property
+    def parameters(self) -> int:
+        """Model parameters it holds (what ``modeling.count_parameters`` counts)."""
+        return self.numel if self.stands_for is None else self.stands_for
+
+
+def quantized_weight(out: int, inp: int, st: Setting) -> list[Tensor]:
+    """``QuantizedLinear``'s frozen ``qweight`` and ``scale``: int8 ``[out, in]`` with one scale per row,
+    or int4 packed two per byte ``[out, ceil(in/g)*g/2]`` with ``[out, ceil(in/g)]`` scales (model dtype)."""
+    size = DTYPE_BYTES[st.dtype]
+    if st.bits == 8:
+        return [Tensor((out, inp), 1, False, out * inp), Tensor((out,), size, False, 0)]
+    groups = math.ceil(inp / st.group_size)
+    return [
+        Tensor((out, groups * st.group_size // 2), 1, False, out * inp),
+        Tensor((out, groups), size, False, 0),
+    ]
+
 
 def parameters(s: Shape, st: Setting) -> list[Tensor]:
     """Every parameter of the model as ``lowmem-tpu sft`` builds it (LoRA adapters in fp32, as PEFT keeps them)."""
     size, full = DTYPE_BYTES[st.dtype], not st.lora
+    quantized = st.lora and st.bits > 0  # the recipe refuses a quantized base without LoRA
     out = [Tensor((s.vocab, s.hidden), size, full), Tensor((s.hidden,), size, full)]
     if not s.tied:
-        out.append(Tensor((s.vocab, s.hidden), size, full))
+        head = quantized and st.quantize_lm_head
+        out += quantized_weight(s.vocab, s.hidden, st) if head else [Tensor((s.vocab, s.hidden), size, full)]
     for name, (o, i) in linears(s).items():
         bias = s.attention_bias if name.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else s.mlp_bias
-        layer = [Tensor((o, i), size, full)] + ([Tensor((o,), size, full)] if bias else [])
+        weight = quantized_weight(o, i, st) if quantized else [Tensor((o, i), size, full)]
+        layer = weight + ([Tensor((o,), size, full)] if bias else [])
         if st.lora and name in st.targets:
             layer += [Tensor((st.rank, i), 4, True), Tensor((o, st.rank), 4, True)]
         out += layer * s.layers
@@ -316,6 +354,38 @@ def backward_workspace(s: Shape, st: Setting) -> int:
     return st.tokens * (2 * s.intermediate + 4 * s.hidden) * DTYPE_BYTES[st.dtype]
 
 
+# How many projections' dequantized weights (the largest projection's size, whole, in the compute
+# dtype) are live at the peak besides what an unquantized base keeps: calibrated against the CPU
+# compiler (docs/memory.md, "A quantized base").
+DEQUANTIZED_PROJECTIONS = 1
+
+
+def quantized(st: Setting) -> bool:
+    """Whether the base's decoder linears are quantized (the recipe allows it only with LoRA)."""
+    return st.lora and st.bits > 0
+
+
+def dequantized_bytes(s: Shape, st: Setting, layout: str = "tpu") -> int:
+    """The transient of a quantized base, per device: dequantized weights that exist while a layer runs.
+
+    ``QuantizedLinear`` dequantizes in its forward pass (and again in the recomputed forward with
+    checkpointing); XLA dequantizes each device's shard and all-gathers the result in the compute
+    dtype for the matmul, so a projection's whole weight exists in full precision only while it is
+    used: about ``DEQUANTIZED_PROJECTIONS`` of the largest projection at the peak, beyond what an
+    unquantized base keeps there (its gathered weights). That is the TPU layout, and what the CPU
+    compiler shows on several devices. On one device the CPU compiler schedules every layer's
+    dequantization (for the recomputed pass, or saved for the backward pass without checkpointing)
+    early, so the CPU layout keeps every layer's dequantized weights: a full-precision copy of the
+    quantized projections (docs/memory.md).
+    """
+    if not quantized(st):
+        return 0
+    e, sizes = DTYPE_BYTES[st.dtype], [o * i for o, i in linears(s).values()]
+    if layout == "cpu" and st.devices == 1:
+        return s.layers * sum(sizes) * e
+    return DEQUANTIZED_PROJECTIONS * max(sizes) * e
+
+
 def logits_bytes(s: Shape, st: Setting) -> int:
     """The loss's buffers per device.
 
@@ -350,6 +420,7 @@ class Plan:
     logits: int
     workspace: int  # the LM head gathered whole for the logits (FSDP, more than one device)
     gradient_phase: int  # gradients at the end of the backward pass (CPU: all-reduced whole, not sharded)
+    dequantized: int  # a quantized base's transient: dequantized weights live at the peak (see dequantized_bytes)
     peak: int
     margin: int
     capacity: int  # memory per device
@@ -378,7 +449,7 @@ def margin_for(peak: int) -> int:
 def plan_setting(s: Shape, st: Setting, layout: str, capacity: int) -> Plan:
     """Plan one setting: persistent state from the shard rule, the rest from the activation model.
 
-    peak = weights + optimizer + max(activations + logits + workspace, gradient phase)
+    peak = weights + optimizer + max(activations + logits + workspace + dequantized, gradient phase)
     """
     params = parameters(s, st)
     trainable = [p for p in params if p.trainable]
@@ -386,7 +457,10 @@ def plan_setting(s: Shape, st: Setting, layout: str, capacity: int) -> Plan:
     weights, gradients = _bytes(params, st), _bytes(trainable, st)
     optimizer = optimizer_bytes(trainable, st)
     head = s.vocab * s.hidden * e
-    workspace = head if st.devices > 1 and st.strategy == "fsdp" else 0
+    # The LM head gathered whole for the logits; a quantized head is dequantized whole even on one device.
+    gathered = st.devices > 1 and st.strategy == "fsdp"
+    workspace = head if gathered or (quantized(st) and st.quantize_lm_head and not s.tied) else 0
+    dequantized = dequantized_bytes(s, st, layout)
     gradient_phase = gradients
     if layout == "cpu" and not st.lora and st.devices > 1:
         # No reduce-scatter on the CPU backend: every gradient is all-reduced whole (and the
@@ -398,12 +472,12 @@ def plan_setting(s: Shape, st: Setting, layout: str, capacity: int) -> Plan:
     # The loss's buffers (and the gathered head) are live as the backward pass starts; later, each
     # layer's backward needs gradient buffers of its own, the larger of the two is what counts.
     backward = max(lg + workspace, backward_workspace(s, st))
-    peak = weights + optimizer + max(act + backward + (gradients if st.lora else 0), gradient_phase)
+    peak = weights + optimizer + max(act + backward + dequantized + (gradients if st.lora else 0), gradient_phase)
     return Plan(
         setting=st,
         layout=layout,
         trainable_parameters=sum(t.numel for t in trainable),
-        total_parameters=sum(t.numel for t in params),
+        total_parameters=sum(t.parameters for t in params),
         weights=weights,
         gradients=gradients,
         optimizer=optimizer,
@@ -414,6 +488,7 @@ def plan_setting(s: Shape, st: Setting, layout: str, capacity: int) -> Plan:
         logits=lg,
         workspace=workspace,
         gradient_phase=gradient_phase,
+        dequantized=dequantized,
         peak=peak,
         margin=margin_for(peak),
         capacity=capacity,

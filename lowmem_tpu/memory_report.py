@@ -74,6 +74,16 @@ def _lora(st: Setting) -> tuple[Setting, str, str] | None:
     return replace(st, lora=True), "LoRA (freeze the base model)", "lora.enabled=true"
 
 
+def _quantize(st: Setting) -> tuple[Setting, str, str] | None:
+    """A quantized frozen base (QLoRA): int8 first, then int4. Only under LoRA (the recipe refuses
+    a quantized base for full fine-tuning)."""
+    if not st.lora or st.quantize == "int4":
+        return None
+    bits = "int8" if st.quantize == "none" else "int4"
+    what = "one scale per output row" if bits == "int8" else f"two per byte, one scale per {st.group_size} inputs"
+    return replace(st, quantize=bits), f"an {bits} base ({what})", f"model.quantize={bits}"
+
+
 def _shorter(st: Setting) -> tuple[Setting, str, str] | None:
     if st.length <= 256:
         return None
@@ -81,17 +91,19 @@ def _shorter(st: Setting) -> tuple[Setting, str, str] | None:
     return replace(st, length=length), f"shorter sequences ({length} tokens)", f"data.max_length={length}"
 
 
-TECHNIQUES = (_more_sharding, _checkpointing, _accumulation, _fused_head, _adafactor, _lora, _shorter)
+TECHNIQUES = (_more_sharding, _checkpointing, _accumulation, _fused_head, _adafactor, _lora, _quantize, _shorter)
 
 
 def next_steps(s: Shape, plan: Plan) -> list[Step]:
     """Techniques to turn on, one at a time in this order, until the plan fits or none is left.
 
     A technique that would not lower the peak (e.g. accumulation, see MICRO_BATCHES_OVERLAP) is skipped.
+    Quantizing the base is suggested only to a LoRA recipe: full fine-tuning trains the base itself.
     """
+    techniques = [t for t in TECHNIQUES if plan.setting.lora or t is not _quantize]
     steps: list[Step] = []
     while not plan.fits:
-        for technique in TECHNIQUES:
+        for technique in techniques:
             change = technique(plan.setting)
             if change is None:
                 continue
@@ -127,7 +139,8 @@ def plan_recipe(recipe: Recipe, device: str, config: Any = None) -> MemoryReport
     layout = "cpu" if target.name == "cpu" else "tpu"
     st = setting_of(recipe, target.devices)
     plan = plan_setting(shape, st, layout, target.hbm_bytes)
-    twin = plan_setting(shape, replace(st, lora=not st.lora), layout, target.hbm_bytes)
+    # The twin of a QLoRA recipe is full fine-tuning of the unquantized base.
+    twin = plan_setting(shape, replace(st, lora=not st.lora, quantize="none"), layout, target.hbm_bytes)
     return MemoryReport(target, recipe.model.name_or_path, plan, twin, next_steps(shape, plan), next_steps(shape, twin))
 
 
@@ -135,15 +148,22 @@ def plan_recipe(recipe: Recipe, device: str, config: Any = None) -> MemoryReport
 
 
 def _mode(st: Setting) -> str:
-    return "LoRA" if st.lora else "full fine-tuning"
+    if not st.lora:
+        return "full fine-tuning"
+    if st.quantize == "none":
+        return "LoRA"
+    group = f", groups of {st.group_size}" if st.quantize == "int4" else ""
+    head = ", LM head too" if st.quantize_lm_head else ""
+    return f"LoRA on an {st.quantize} base ({st.dtype} scales{group}{head})"
 
 
 def plan_rows(plan: Plan) -> list[tuple[str, int]]:
     """(label, bytes) per component, in display order."""
     st = plan.setting
     ckpt = "on" if st.checkpointing else "off"
+    base = f" ({st.quantize} base + {st.dtype} scales)" if plan.dequantized else ""
     rows = [
-        ("weights", plan.weights),
+        (f"weights{base}", plan.weights),
         ("gradients", plan.gradients),
         (f"optimizer states ({st.optimizer})", plan.optimizer),
         (f"activations (checkpointing {ckpt}, used)", plan.activations),
@@ -154,6 +174,7 @@ def plan_rows(plan: Plan) -> list[tuple[str, int]]:
         ),
         (f"logits / loss buffers ({'chunked head' if st.fused_head else 'full logits'})", plan.logits),
         ("XLA workspace (LM head gathered)", plan.workspace),
+        *([(f"dequantized weights ({st.dtype}, transient)", plan.dequantized)] if plan.dequantized else []),
     ]
     if not st.lora:
         whole = " all-reduced whole (CPU)" if plan.layout == "cpu" and st.devices > 1 else ""
@@ -192,6 +213,8 @@ def format_report(report: MemoryReport) -> str:
     """The ``lowmem-tpu memory`` output."""
     d = report.device
     twin = "lora.enabled=false" if report.plan.setting.lora else "lora.enabled=true"
+    if report.plan.setting.quantize != "none":
+        twin += " model.quantize=none"
     lines = [f"{report.model} on {d.name} ({d.about}), per device ({report.plan.layout} layout)", ""]
     lines += [*format_plan("the recipe", report.plan, report.steps), ""]
     lines += format_plan(f"its twin ({twin})", report.twin, report.twin_steps)
@@ -211,6 +234,7 @@ def plan_json(plan: Plan) -> dict[str, Any]:
         "logits",
         "workspace",
         "gradient_phase",
+        "dequantized",
         "peak",
         "margin",
         "capacity",

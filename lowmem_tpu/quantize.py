@@ -291,7 +291,7 @@ def load_quantized(
 def _assign(model: nn.Module, name: str, tensor: torch.Tensor, dtype: torch.dtype) -> None:
     module_name, _, leaf = name.rpartition(".")
     module = model.get_submodule(module_name)
-    value = tensor.to(dtype, copy=True) if tensor.is_floating_point() else tensor.clone()
+    value = tensor.to(dtype) if tensor.is_floating_point() else tensor
     if leaf in module._parameters:
         module._parameters[leaf] = nn.Parameter(value, requires_grad=False)
     else:

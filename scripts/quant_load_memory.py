@@ -4,8 +4,8 @@
 
 Saves a random-init Llama (safetensors, float32, Open Llama's proportions at the given width and
 depth) once, then loads it in a fresh process per way of loading and samples the process's
-anonymous resident memory (RssAnon: what the loaded tensors occupy; file pages that reading the
-checkpoint maps are left out) every few milliseconds. Writes ``outputs/quant_load/quant_load.json``.
+resident memory every few milliseconds, in all (VmRSS: file pages of a memory-mapped
+checkpoint included) and anonymous (RssAnon: what the loaded tensors occupy on their own). Writes ``outputs/quant_load/quant_load.json``.
 """
 
 from __future__ import annotations
@@ -23,23 +23,25 @@ CHILD = r"""
 import sys, threading, time, json
 import torch
 
-def anon():
+def rss():
+    fields = {}
     for line in open("/proc/self/status"):
-        if line.startswith("RssAnon:"):
-            return int(line.split()[1]) * 1024
-    return 0
+        if line.startswith(("RssAnon:", "VmRSS:")):
+            fields[line.split(":")[0]] = int(line.split()[1]) * 1024
+    return fields["RssAnon"], fields["VmRSS"]
 
 from transformers import AutoConfig, AutoModelForCausalLM
 from lowmem_tpu.quantize import load_quantized
 
 path, way = sys.argv[1], sys.argv[2]
 config = AutoConfig.from_pretrained(path)
-peak, done = [anon()], [False]
-baseline = peak[0]
+baseline, done = rss(), [False]
+peak = list(baseline)
 
 def sample():
     while not done[0]:
-        peak[0] = max(peak[0], anon())
+        now = rss()
+        peak[:] = [max(p, n) for p, n in zip(peak, now)]
         time.sleep(0.002)
 
 thread = threading.Thread(target=sample)
@@ -51,7 +53,8 @@ else:
 done[0] = True
 thread.join()
 held = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-print(json.dumps({"way": way, "peak_bytes": peak[0] - baseline, "held_bytes": held, "after_bytes": anon() - baseline}))
+anon, total = (p - b for p, b in zip(peak, baseline))
+print(json.dumps({"way": way, "peak_anonymous_bytes": anon, "peak_rss_bytes": total, "held_bytes": held}))
 """
 
 
@@ -89,9 +92,10 @@ def main() -> None:
     (OUT / "quant_load.json").write_text(json.dumps({"checkpoint_bytes": size, "rows": rows}, indent=2) + "\n")
     mib = 2**20
     print(f"checkpoint: {path} ({size / mib:,.0f} MiB, float32)")
-    print("| load | peak host MiB (anonymous) | model holds MiB |\n|---|---|---|")
+    print("| load | peak RSS MiB | peak anonymous MiB | the loaded model holds MiB |\n|---|---|---|---|")
     for row in rows:
-        print(f"| {row['way']} | {row['peak_bytes'] / mib:,.0f} | {row['held_bytes'] / mib:,.0f} |")
+        peaks = f"{row['peak_rss_bytes'] / mib:,.0f} | {row['peak_anonymous_bytes'] / mib:,.0f}"
+        print(f"| {row['way']} | {peaks} | {row['held_bytes'] / mib:,.0f} |")
 
 
 if __name__ == "__main__":

@@ -296,3 +296,82 @@ def test_compare_on_a_tpu_reads_the_runtime_peak(tmp_path):  # pragma: no cover 
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads((tmp_path / "compare.json").read_text())
     assert result["modes"]["lora"]["measured"]["tokens_per_second"] > 0
+
+
+# ----------------------------------------------------------------------------- a quantized base (QLoRA)
+
+
+def test_quantized_base_holds_integers_and_scales_and_counts_logical_parameters():
+    h, i, n, r = 64, 160, 3, 8
+    lora = replace(BASE, lora=True, dtype="bfloat16")
+    int8, int4 = plan(replace(lora, quantize="int8")), plan(replace(lora, quantize="int4", group_size=32))
+    # int8: [out, in] at 1 byte + one bf16 scale per row; int4: [out, ceil(in/32)*16] bytes + [out, ceil(in/32)].
+    tensors = memory.parameters(SHAPE, replace(lora, quantize="int4", group_size=32))
+    gate = [t for t in tensors if t.shape == (i, 32) and t.itemsize == 1]  # gate/up: [160, 64] -> [160, 32] packed
+    assert len(gate) == 2 * n and all(t.parameters == i * h for t in gate)
+    down = [t for t in tensors if t.shape == (h, 80) and t.itemsize == 1]  # down: in 160 -> 5 groups -> 80 bytes
+    assert len(down) == n
+    assert plan(lora).total_parameters == int8.total_parameters == int4.total_parameters  # logical, not packed
+    per_layer8 = 4 * (16 * h + 16 * 2) + 2 * (40 * h + 40 * 2) + (16 * i + 16 * 2)  # sharded rows, 4 devices
+    adapters = n * (4 * r * (h + h) + 3 * r * (h + i)) * 4 // 4  # fp32 adapters, split over 4 devices
+    assert int8.weights == (2 * 25 * h + 16) * 2 + n * (per_layer8 + 2 * 16 * 2) + adapters
+    assert int4.weights < int8.weights < plan(lora).weights
+    assert int8.gradients == plan(lora).gradients and int8.optimizer == plan(lora).optimizer
+
+
+def test_dequantized_transient_is_one_projection_or_every_layer_on_one_cpu_device():
+    st = replace(BASE, lora=True, quantize="int8")
+    largest = 160 * 64 * 4  # gate/up/down, fp32
+    assert plan(st).dequantized == largest
+    assert plan(replace(st, quantize="none")).dequantized == 0
+    assert plan(replace(BASE, quantize="int8")).dequantized == 0  # not LoRA: the recipe refuses it; no base quantized
+    one = replace(st, devices=1, global_batch=2)
+    assert plan(one).dequantized == largest  # TPU layout
+    assert plan(one, layout="cpu").dequantized == 3 * (4 * 64 * 64 + 3 * 160 * 64) * 4  # every layer, whole
+    p = plan(st)
+    backward = max(p.logits + p.workspace, memory.backward_workspace(SHAPE, st))
+    assert p.peak == p.weights + p.optimizer + p.activations + backward + p.dequantized + p.gradients
+
+
+def test_quantized_lm_head_is_counted_and_dequantized_whole():
+    st = replace(BASE, lora=True, quantize="int8", quantize_lm_head=True, devices=1, global_batch=2)
+    p, kept = plan(st), plan(replace(st, quantize_lm_head=False))
+    assert p.weights == kept.weights - 100 * 64 * 4 + 100 * 64 + 100 * 4  # head: int8 [100, 64] + fp32 scales
+    assert p.workspace == 100 * 64 * 4 and kept.workspace == 0  # one device: only a quantized head is rebuilt
+
+
+def test_quantization_is_suggested_to_lora_only_and_shown_in_the_report():
+    seven = ["model.name_or_path=openlm-research/open_llama_7b_v2", "train.global_batch_size=1"]
+    recipe = load_recipe(ROOT / "recipes/open_llama_lora.yaml", [*seven, "runtime.num_cpu_devices=1"])
+    report = memory_report.plan_recipe(recipe, "v5e-1")
+    assert not report.plan.fits
+    overrides = [s.override for s in report.steps]
+    assert "model.quantize=int8" in overrides and report.steps[-1].plan.fits
+    assert not any(o.startswith("model.quantize") for o in (s.override for s in report.twin_steps))  # full: never
+    int4 = load_recipe(
+        ROOT / "recipes/open_llama_lora.yaml", [*seven, "runtime.num_cpu_devices=1", "model.quantize=int4"]
+    )
+    quantized = memory_report.plan_recipe(int4, "v5e-1")
+    assert quantized.plan.fits and quantized.twin.setting.quantize == "none" and not quantized.twin.setting.lora
+    assert 6.7e9 < quantized.plan.total_parameters < 6.8e9
+    text = memory_report.format_report(quantized)
+    assert "LoRA on an int4 base" in text and "dequantized weights (bfloat16, transient)" in text
+    assert "lora.enabled=false model.quantize=none" in text
+    assert memory_report.report_json(quantized)["recipe"]["setting"]["quantize"] == "int4"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quantize", ["int8", "int4"])
+def test_quantized_base_on_the_cpu_compiler_matches_the_planner(quantize):
+    """The tiny recipe's real step with a quantized base, compiled for 4 CPU devices: planner vs compiler."""
+    from lowmem_tpu.measure import compile_step
+
+    recipe = load_recipe(ROOT / "recipes/tiny_lora_cpu.yaml", [f"model.quantize={quantize}"])
+    measured = compile_step(recipe, 4)
+    planned = memory_report.plan_recipe(recipe, "cpu").plan
+    assert planned.dequantized > 0
+    state = measured.state
+    assert planned.weights == state.weights and planned.gradients == state.gradients  # exact, integers included
+    assert planned.optimizer == state.optimizer
+    assert planned.total_parameters == state.total_parameters  # logical count: an int4 byte is two weights
+    assert abs(planned.peak / measured.compiler.total_bytes - 1) < 0.15, (planned.peak, measured.compiler.total_bytes)
