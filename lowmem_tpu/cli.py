@@ -180,7 +180,9 @@ def memory(
 ) -> None:
     """Plan per-device memory of the recipe and its twin (LoRA <-> full); say what to turn on if it does not fit."""
     try:
-        loaded = _load(recipe, overrides)
+        # Planning for a named TPU: the batch must split over its devices (checked by the planner), not the CPU's.
+        on_tpu = ["runtime.device=tpu"] if device not in (None, "cpu") else []
+        loaded = _load(recipe, [*(overrides or []), *on_tpu])
         from lowmem_tpu.memory_report import format_report, plan_recipe, report_json
 
         report = plan_recipe(loaded, device or ("cpu" if loaded.runtime.device == "cpu" else "v3-8"))

@@ -365,25 +365,19 @@ def quantized(st: Setting) -> bool:
     return st.lora and st.bits > 0
 
 
-def dequantized_bytes(s: Shape, st: Setting, layout: str = "tpu") -> int:
+def dequantized_bytes(s: Shape, st: Setting) -> int:
     """The transient of a quantized base, per device: dequantized weights that exist while a layer runs.
 
-    ``QuantizedLinear`` dequantizes in its forward pass (and again in the recomputed forward with
-    checkpointing); XLA dequantizes each device's shard and all-gathers the result in the compute
-    dtype for the matmul, so a projection's whole weight exists in full precision only while it is
-    used: about ``DEQUANTIZED_PROJECTIONS`` of the largest projection at the peak, beyond what an
-    unquantized base keeps there (its gathered weights). That is the TPU layout, and what the CPU
-    compiler shows on several devices. On one device the CPU compiler schedules every layer's
-    dequantization (for the recomputed pass, or saved for the backward pass without checkpointing)
-    early, so the CPU layout keeps every layer's dequantized weights: a full-precision copy of the
-    quantized projections (docs/memory.md).
+    ``QuantizedLinear`` dequantizes when the layer runs (forward, recomputed forward, backward) as a
+    value tied to the layer's input, so XLA can neither hoist it to the start of the step nor share
+    it between passes; with several devices each shard is dequantized and all-gathered in the
+    compute dtype. A projection's whole weight thus exists in full precision only while it is used:
+    about ``DEQUANTIZED_PROJECTIONS`` of the largest at the peak, beyond what an unquantized base
+    keeps there (its gathered weights). Calibrated on the CPU compiler (docs/memory.md).
     """
     if not quantized(st):
         return 0
-    e, sizes = DTYPE_BYTES[st.dtype], [o * i for o, i in linears(s).values()]
-    if layout == "cpu" and st.devices == 1:
-        return s.layers * sum(sizes) * e
-    return DEQUANTIZED_PROJECTIONS * max(sizes) * e
+    return DEQUANTIZED_PROJECTIONS * max(o * i for o, i in linears(s).values()) * DTYPE_BYTES[st.dtype]
 
 
 def logits_bytes(s: Shape, st: Setting) -> int:
@@ -460,7 +454,7 @@ def plan_setting(s: Shape, st: Setting, layout: str, capacity: int) -> Plan:
     # The LM head gathered whole for the logits; a quantized head is dequantized whole even on one device.
     gathered = st.devices > 1 and st.strategy == "fsdp"
     workspace = head if gathered or (quantized(st) and st.quantize_lm_head and not s.tied) else 0
-    dequantized = dequantized_bytes(s, st, layout)
+    dequantized = dequantized_bytes(s, st)
     gradient_phase = gradients
     if layout == "cpu" and not st.lora and st.devices > 1:
         # No reduce-scatter on the CPU backend: every gradient is all-reduced whole (and the

@@ -129,11 +129,44 @@ class QuantizedLinear(nn.Linear):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.dequantized(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return _DequantizedLinear.apply(x, self.qweight, self.scale, bias, self)
+
+    def dequantized_when(self, anchor: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """The weight in ``anchor``'s dtype, as a value that depends on ``anchor``.
+
+        Adding ``0 * anchor[0]`` to the scales (exact for finite values; compilers do not fold a
+        float ``x * 0``) means the weight cannot be dequantized before the layer's input exists
+        nor shared between the forward pass and its recomputation, so XLA neither hoists every
+        layer's dequantization to the start of the step nor keeps it live until the backward pass.
+        """
+        scale = scale.to(anchor.dtype) + anchor.reshape(-1)[:1].detach() * 0
+        return dequantize_weight(qweight, scale, self.bits, self.group_size, self.in_features, anchor.dtype)
 
     def extra_repr(self) -> str:
         group = f", group_size={self.group_size}" if self.bits == 4 else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, int{self.bits}{group}"
+
+
+class _DequantizedLinear(torch.autograd.Function):
+    """``x W^T + b`` with ``W`` dequantized when the layer runs, forward and backward.
+
+    Only the integers and scales are saved for the backward pass (it dequantizes again), so no
+    full-precision weight outlives its matmul, with or without activation checkpointing.
+    """
+
+    @staticmethod
+    def forward(ctx, x, qweight, scale, bias, layer: QuantizedLinear):
+        ctx.layer = layer
+        ctx.save_for_backward(qweight, scale)
+        return F.linear(x, layer.dequantized_when(x, qweight, scale), bias)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None, None
+        qweight, scale = ctx.saved_tensors
+        return grad @ ctx.layer.dequantized_when(grad, qweight, scale), None, None, None, None
 
 
 # ----------------------------------------------------------------------------- which layers

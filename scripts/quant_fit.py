@@ -10,8 +10,7 @@ and int4 and prints the README's table; ``--json`` also writes every plan.
   recipe (4 x 1024 tokens per core), and on one v5e chip with 1 sequence of 1024 tokens per step.
 
 Every point: LoRA r=16 on all seven projections, dropout 0, AdamW, activation checkpointing, FSDP,
-the model's own LM head (not quantized). The last column is the CPU compiler's one-device schedule
-(every layer's dequantized weights live at once, see docs/memory.md); on several devices it is the plan.
+the model's own LM head (not quantized).
 """
 
 from __future__ import annotations
@@ -50,7 +49,6 @@ def rows() -> list[dict]:
             shape = shape_of(require_config(recipe))
             st = setting_of(recipe, device.devices)
             plan = plan_setting(shape, st, "tpu", device.hbm_bytes)
-            kept_all = plan_setting(shape, st, "cpu", device.hbm_bytes)  # every layer's dequantized weights
             out.append(
                 {
                     "model": label,
@@ -59,8 +57,6 @@ def rows() -> list[dict]:
                     "tokens_per_device": f"{st.sequences} x {st.length}",
                     "group_size": st.group_size if base == "int4" else None,
                     "plan": plan_json(plan),
-                    "needed_if_every_layer_dequantized": kept_all.needed,
-                    "fits_if_every_layer_dequantized": kept_all.fits,
                     "_plan": plan,
                 }
             )
@@ -68,20 +64,15 @@ def rows() -> list[dict]:
 
 
 def table(items: list[dict]) -> str:
-    head = (
-        "| model | device | base | tokens / device | weights | dequantized | peak | needed (+ margin) | fits? "
-        "| needed, every layer dequantized |"
-    )
-    lines = [head, "|---|---|---|---|---|---|---|---|---|---|"]
+    head = "| model | device | base | tokens / device | weights | dequantized | peak | needed (+ margin) | fits? |"
+    lines = [head, "|---|---|---|---|---|---|---|---|---|"]
     for r in items:
         p = r["_plan"]
         fits = "yes" if p.fits else "no"
-        other = r["needed_if_every_layer_dequantized"]
-        pessimistic = f"{other / GiB:.2f} ({'fits' if r['fits_if_every_layer_dequantized'] else 'no'})"
         lines.append(
             f"| {r['model']} | {r['device']} ({p.capacity // GiB} GiB) | {r['base']} | {r['tokens_per_device']} | "
             f"{p.weights / GiB:.2f} | {p.dequantized / GiB:.2f} | {p.peak / GiB:.2f} | {p.needed / GiB:.2f} | "
-            f"{fits} | {pessimistic} |"
+            f"{fits} |"
         )
     return "\n".join(lines)
 

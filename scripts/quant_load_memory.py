@@ -5,7 +5,8 @@
 Saves a random-init Llama (safetensors, float32, Open Llama's proportions at the given width and
 depth) once, then loads it in a fresh process per way of loading and samples the process's
 resident memory every few milliseconds, in all (VmRSS: file pages of a memory-mapped
-checkpoint included) and anonymous (RssAnon: what the loaded tensors occupy on their own). Writes ``outputs/quant_load/quant_load.json``.
+checkpoint included) and anonymous (RssAnon: memory the loading allocated itself).
+Writes ``outputs/quant_load/quant_load.json``.
 """
 
 from __future__ import annotations

@@ -319,15 +319,14 @@ def test_quantized_base_holds_integers_and_scales_and_counts_logical_parameters(
     assert int8.gradients == plan(lora).gradients and int8.optimizer == plan(lora).optimizer
 
 
-def test_dequantized_transient_is_one_projection_or_every_layer_on_one_cpu_device():
+def test_dequantized_transient_is_one_projection():
     st = replace(BASE, lora=True, quantize="int8")
     largest = 160 * 64 * 4  # gate/up/down, fp32
     assert plan(st).dequantized == largest
     assert plan(replace(st, quantize="none")).dequantized == 0
     assert plan(replace(BASE, quantize="int8")).dequantized == 0  # not LoRA: the recipe refuses it; no base quantized
     one = replace(st, devices=1, global_batch=2)
-    assert plan(one).dequantized == largest  # TPU layout
-    assert plan(one, layout="cpu").dequantized == 3 * (4 * 64 * 64 + 3 * 160 * 64) * 4  # every layer, whole
+    assert plan(one).dequantized == plan(one, layout="cpu").dequantized == largest
     p = plan(st)
     backward = max(p.logits + p.workspace, memory.backward_workspace(SHAPE, st))
     assert p.peak == p.weights + p.optimizer + p.activations + backward + p.dequantized + p.gradients
