@@ -351,6 +351,13 @@ def cross_problems(recipe: Recipe) -> list[tuple[tuple[str, ...], str]]:
             "set lora.enabled: true to train LoRA adapters on the quantized base (QLoRA), or model.quantize: none"
         )
         problems.append((("model.quantize", "lora.enabled"), message))
+    if model.quantize != "none" and recipe.sharding.scan_layers:
+        message = (
+            f"model.quantize: a {model.quantize} base is not supported with sharding.scan_layers yet "
+            "(the scanned layer is traced functionally, the quantized projections are not); "
+            "set sharding.scan_layers: false or model.quantize: none"
+        )
+        problems.append((("model.quantize", "sharding.scan_layers"), message))
     if recipe.hub.push and not recipe.hub.repo_id:
         problems.append((("hub.push", "hub.repo_id"), "hub.repo_id: required when hub.push is true (OWNER/NAME)"))
     if t.eval_samples and not data.eval_path:

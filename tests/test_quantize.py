@@ -160,6 +160,8 @@ def test_a_directory_without_weights_or_with_missing_ones_is_refused(bases, tmp_
 def test_recipe_refuses_quantizing_a_fully_fine_tuned_base():
     with pytest.raises(RecipeError, match=r"model\.quantize: int4 freezes the base .* set lora\.enabled: true"):
         load_recipe(None, ["model.quantize=int4", "lora.enabled=false"])
+    with pytest.raises(RecipeError, match=r"not supported with sharding\.scan_layers yet"):
+        load_recipe(None, ["model.quantize=int8", "sharding.scan_layers=true"])
     assert load_recipe(None, ["model.quantize=null"]).model.quantize == "none"
     with pytest.raises(RecipeError, match="quantize_group_size"):
         load_recipe(None, ["model.quantize=int4", "model.quantize_group_size=100"])
