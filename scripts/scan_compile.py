@@ -61,6 +61,7 @@ def run(scan: bool, steps: int, overrides: list[str]) -> dict:
         "--overwrite",
     ]
     env = {k: v for k, v in os.environ.items() if k not in ("PJRT_DEVICE", "CPU_NUM_DEVICES")}
+    load = os.getloadavg()[0]  # compile time is wall time: a busy machine inflates it
     subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
     metrics = json.loads((out / "final" / "metrics.json").read_text())
     return {
@@ -69,6 +70,7 @@ def run(scan: bool, steps: int, overrides: list[str]) -> dict:
         "compiles": metrics["compiles"]["total"],
         "losses": [round(e["loss"], 5) for e in metrics["train"]["losses"]],
         "steady_step_time": metrics["train"]["steady_step_time"],
+        "load_before": round(load, 2),
     }
 
 
@@ -79,11 +81,12 @@ def main() -> None:
     args = parser.parse_args()
     rows = [run(scan, args.steps, args.overrides) for scan in (False, True)]
     (OUT / "scan_compile.json").write_text(json.dumps(rows, indent=2) + "\n")
-    print("| layers | compile s | graphs | steady s/step | losses |\n|---|---|---|---|---|")
+    print("| layers | compile s | graphs | steady s/step | load | losses |\n|---|---|---|---|---|---|")
     for r in rows:
         name = "scanned" if r["scan_layers"] else "unrolled"
         step = f"{r['steady_step_time']:.3f}" if r["steady_step_time"] else "n/a"
-        print(f"| {name} | {r['compile_seconds']:.1f} | {r['compiles']} | {step} | {r['losses']} |")
+        load, losses = r["load_before"], r["losses"]
+        print(f"| {name} | {r['compile_seconds']:.1f} | {r['compiles']} | {step} | {load} | {losses} |")
     print(f"\ncompile time ratio unrolled / scanned: {rows[0]['compile_seconds'] / rows[1]['compile_seconds']:.2f}")
 
 
