@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 STAMP := $(VENV)/.installed-$(shell cat constraints.txt pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: demo test lint format install clean
+.PHONY: demo test lint format install install-scan clean
 
 install: $(STAMP)
 
@@ -13,6 +13,13 @@ $(STAMP): constraints.txt pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[dev,plot]"
 	rm -f $(VENV)/.installed-* && touch $(STAMP)
+
+# The optional [scan] extra (sharding.scan_layers). torch_xla 2.9's wheel bundles an older torchax
+# that imports flax and can overwrite the pinned one, so the pinned torchax is reinstalled last.
+install-scan: $(STAMP)
+	$(VENV)/bin/pip install --quiet --disable-pip-version-check -c constraints.txt jax jaxlib
+	$(VENV)/bin/pip install --quiet --disable-pip-version-check -c constraints.txt --force-reinstall --no-deps torchax
+	$(VENV)/bin/python -c "import torchax, jax; print('scan extra ready: jax', jax.__version__)"
 
 demo: $(STAMP)
 	$(VENV)/bin/lowmem-tpu sft recipes/tiny_lora_cpu.yaml --overwrite

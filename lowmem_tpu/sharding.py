@@ -174,8 +174,7 @@ def _require_scan_extra() -> None:
         import torchax  # noqa: F401
     except ImportError as err:
         raise UserError(
-            f"sharding.scan_layers: needs jax and torchax ({err}); install them with: "
-            "pip install -c constraints.txt -e '.[scan]'"
+            f"sharding.scan_layers: needs jax and torchax ({err}); install them with: make install-scan"
         ) from None
 
 
