@@ -81,16 +81,22 @@ def test_quantized_linear_is_a_frozen_linear_that_peft_wraps():
 
 
 def test_backward_dequantizes_again_and_saves_no_float_weight():
+    from lowmem_tpu.recipe import RuntimeSection
+    from lowmem_tpu.runtime import setup_runtime
+
+    # On the XLA devices, as in training (a CPU backward first would start autograd without them).
+    device = setup_runtime(RuntimeSection()).device
     torch.manual_seed(0)
     layer = QuantizedLinear(64, 32, bias=False, bits=8, group_size=64, dtype=torch.float32)
     layer.load_weight(torch.randn(32, 64))
-    x = torch.randn(5, 64, requires_grad=True)
+    layer.to(device)
+    x = torch.randn(5, 64, device=device, requires_grad=True)
     reference = x.detach().clone().requires_grad_(True)
     saved: list[torch.Tensor] = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         layer(x).pow(2).sum().backward()
     torch.nn.functional.linear(reference, layer.dequantized()).pow(2).sum().backward()
-    assert torch.allclose(x.grad, reference.grad, atol=1e-5)
+    assert torch.allclose(x.grad.cpu(), reference.grad.cpu(), atol=1e-5)
     assert all(t.dtype in (torch.int8, torch.uint8) or t.shape != (32, 64) for t in saved)
 
 
