@@ -98,12 +98,11 @@ def next_steps(s: Shape, plan: Plan) -> list[Step]:
     """Techniques to turn on, one at a time in this order, until the plan fits or none is left.
 
     A technique that would not lower the peak (e.g. accumulation, see MICRO_BATCHES_OVERLAP) is skipped.
-    Quantizing the base is suggested only to a LoRA recipe: full fine-tuning trains the base itself.
+    Quantizing the base is suggested only once LoRA is on: full fine-tuning trains the base itself.
     """
-    techniques = [t for t in TECHNIQUES if plan.setting.lora or t is not _quantize]
     steps: list[Step] = []
     while not plan.fits:
-        for technique in techniques:
+        for technique in TECHNIQUES:
             change = technique(plan.setting)
             if change is None:
                 continue

@@ -346,7 +346,8 @@ def test_quantization_is_suggested_to_lora_only_and_shown_in_the_report():
     assert not report.plan.fits
     overrides = [s.override for s in report.steps]
     assert "model.quantize=int8" in overrides and report.steps[-1].plan.fits
-    assert not any(o.startswith("model.quantize") for o in (s.override for s in report.twin_steps))  # full: never
+    twin = [s.override for s in report.twin_steps]  # full fine-tuning: a quantized base only after LoRA
+    assert all(twin.index("lora.enabled=true") < i for i, o in enumerate(twin) if o.startswith("model.quantize"))
     int4 = load_recipe(
         ROOT / "recipes/open_llama_lora.yaml", [*seven, "runtime.num_cpu_devices=1", "model.quantize=int4"]
     )
