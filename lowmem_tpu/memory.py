@@ -255,14 +255,14 @@ def quantized_weight(out: int, inp: int, st: Setting) -> list[Tensor]:
 def parameters(s: Shape, st: Setting) -> list[Tensor]:
     """Every parameter of the model as ``lowmem-tpu sft`` builds it (LoRA adapters in fp32, as PEFT keeps them)."""
     size, full = DTYPE_BYTES[st.dtype], not st.lora
-    quantized = st.lora and st.bits > 0  # the recipe refuses a quantized base without LoRA
+    base = quantized(st)
     out = [Tensor((s.vocab, s.hidden), size, full), Tensor((s.hidden,), size, full)]
     if not s.tied:
-        head = quantized and st.quantize_lm_head
+        head = base and st.quantize_lm_head
         out += quantized_weight(s.vocab, s.hidden, st) if head else [Tensor((s.vocab, s.hidden), size, full)]
     for name, (o, i) in linears(s).items():
         bias = s.attention_bias if name.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else s.mlp_bias
-        weight = quantized_weight(o, i, st) if quantized else [Tensor((o, i), size, full)]
+        weight = quantized_weight(o, i, st) if base else [Tensor((o, i), size, full)]
         layer = weight + ([Tensor((o,), size, full)] if bias else [])
         if st.lora and name in st.targets:
             layer += [Tensor((st.rank, i), 4, True), Tensor((o, st.rank), 4, True)]

@@ -299,15 +299,12 @@ def load_quantized(
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
     swap_linears(model, BITS[method], group_size, lm_head, dtype)
     expected = {name for name, _ in model.named_parameters()} | set(dict(model.named_buffers()))
-    loaded: set[str] = set()
     for name, tensor in read_tensors(files):
+        layer = name.removesuffix(".weight")
         if name in expected:
             _assign(model, name, tensor, dtype)
-            loaded.add(name)
-        elif name.endswith(".weight") and name[: -len(".weight")] + ".qweight" in expected:
-            model.get_submodule(name[: -len(".weight")]).load_weight(tensor)
-            loaded.add(name[: -len(".weight")] + ".qweight")
-            loaded.add(name[: -len(".weight")] + ".scale")
+        elif layer != name and f"{layer}.qweight" in expected:
+            model.get_submodule(layer).load_weight(tensor)
     if getattr(model.config, "tie_word_embeddings", False):
         model.tie_weights()
     _initialize_rest(model)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import make_base
+from tiny_models import make_base, train_tiny
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from lowmem_tpu.errors import UserError
@@ -185,11 +185,7 @@ QUICK = [
 
 
 def _sft(tmp_path_factory, name: str, *overrides: str):
-    from lowmem_tpu.sft import run_sft
-
-    out = tmp_path_factory.mktemp(name)
-    recipe = load_recipe("recipes/tiny_lora_cpu.yaml", [f"output_dir={out}", *QUICK, *overrides])
-    return recipe, run_sft(recipe)
+    return train_tiny(tmp_path_factory, name, *QUICK, *overrides)
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_models import train_tiny
 
 from lowmem_tpu.recipe import load_recipe
 
@@ -23,11 +24,7 @@ SHORT = [
 
 
 def _run(tmp_path_factory, name: str, *overrides: str):
-    from lowmem_tpu.sft import run_sft
-
-    out = tmp_path_factory.mktemp(name)
-    recipe = load_recipe("recipes/tiny_lora_cpu.yaml", [f"output_dir={out}", *SHORT, *overrides])
-    return recipe, run_sft(recipe)
+    return train_tiny(tmp_path_factory, name, *SHORT, *overrides)
 
 
 @pytest.fixture(scope="module")

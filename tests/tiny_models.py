@@ -1,4 +1,4 @@
-"""Tiny random-init Llama bases and LoRA adapters on disk, shaped like what ``sft`` writes (no training)."""
+"""Tiny Llama bases and LoRA adapters on disk, shaped like what ``sft`` writes, and short real ``sft`` runs."""
 
 from __future__ import annotations
 
@@ -64,3 +64,11 @@ METRICS = {  # the keys sft's _metrics writes, with plausible values
         "after": {"loss": 1.5131, "token_accuracy": 1.0, "exact_match": 1.0, "exact_match_total": 200},
     },
 }
+
+
+def train_tiny(tmp_path_factory, name: str, *overrides: str):
+    """``sft`` on the embedded recipe in a fresh temporary output_dir: (recipe, result)."""
+    from lowmem_tpu.sft import run_sft
+
+    recipe = load_recipe("recipes/tiny_lora_cpu.yaml", [f"output_dir={tmp_path_factory.mktemp(name)}", *overrides])
+    return recipe, run_sft(recipe)
