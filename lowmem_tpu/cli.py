@@ -8,8 +8,8 @@ from typing import Annotated
 
 import typer
 
+from lowmem_tpu.config import Recipe, load_recipe
 from lowmem_tpu.errors import NonFiniteError, UserError
-from lowmem_tpu.recipe import Recipe, load_recipe
 
 app = typer.Typer(
     add_completion=False,
@@ -54,8 +54,8 @@ def validate(recipe: RecipeArg = None, overrides: OverridesArg = None) -> None:
     """Check a recipe (schema, files, batch split, layer class) without loading any weights."""
     try:
         loaded = _load(recipe, overrides)
-        from lowmem_tpu.modeling import check_model
-        from lowmem_tpu.runtime import configure_environment
+        from lowmem_tpu.model import check_model
+        from lowmem_tpu.xla.runtime import configure_environment
 
         configure_environment(loaded.runtime)
         summary = check_model(loaded)
@@ -117,7 +117,7 @@ def merge(
 ) -> None:
     """Merge a LoRA adapter into its base on the CPU; the result is checked against base + adapter."""
     try:
-        from lowmem_tpu.merge import merge_adapter
+        from lowmem_tpu.publish.merge import merge_adapter
 
         merge_adapter(adapter_dir, out, base=base, revision=revision, dtype=dtype, force=force)
     except UserError as err:
@@ -145,8 +145,8 @@ def push(
 ) -> None:
     """Push an adapter or merged model with a generated model card and its recipe, as one commit."""
     try:
-        from lowmem_tpu.hub import format_plan
-        from lowmem_tpu.hub import push as push_directory
+        from lowmem_tpu.publish.hub import format_plan
+        from lowmem_tpu.publish.hub import push as push_directory
 
         result = push_directory(
             directory,
@@ -183,7 +183,7 @@ def memory(
         # Planning for a named TPU: the batch must split over its devices (checked by the planner), not the CPU's.
         on_tpu = ["runtime.device=tpu"] if device not in (None, "cpu") else []
         loaded = _load(recipe, [*(overrides or []), *on_tpu])
-        from lowmem_tpu.memory_report import format_report, plan_recipe, report_json
+        from lowmem_tpu.memory.advise import format_report, plan_recipe, report_json
 
         report = plan_recipe(loaded, device or ("cpu" if loaded.runtime.device == "cpu" else "v3-8"))
     except UserError as err:
@@ -211,7 +211,7 @@ def compare(
     """LoRA vs full fine-tuning per device: planned beside measured (TPU runtime peak, or the CPU compiler's)."""
     try:
         loaded = _load(recipe, overrides)
-        from lowmem_tpu.compare import compare_recipe, format_compare
+        from lowmem_tpu.memory.compare import compare_recipe, format_compare
 
         result = compare_recipe(loaded, steps, out or Path(loaded.output_dir) / "compare")
     except UserError as err:

@@ -1,12 +1,10 @@
-"""What a person sees: stage messages, a progress bar with log lines, a final summary."""
+"""What a person sees: stage messages, tables, and quiet library logs. Imports nothing heavy."""
 
 from __future__ import annotations
 
-import sys
+import logging
 import time
-from typing import Any
-
-from transformers import TrainerCallback
+import warnings
 
 _START: float | None = None
 
@@ -18,54 +16,25 @@ def say(message: str) -> None:
     print(f"[{time.perf_counter() - _START:6.1f}s] {message}", flush=True)
 
 
-def format_log(step: int, max_steps: int, logs: dict[str, float]) -> str:
-    parts = [f"step {step:>{len(str(max_steps))}}/{max_steps}"]
-    fields = [
-        ("loss", "loss {:.4f}"),
-        ("eval_loss", "eval loss {:.4f}"),
-        ("token_accuracy", "tok acc {:.3f}"),
-        ("eval_token_accuracy", "eval tok acc {:.3f}"),
-        ("learning_rate", "lr {:.2e}"),
-        ("grad_norm", "grad {:.3f}"),
-        ("tokens_per_second", "{:,.0f} tok/s"),
-        ("step_time", "{:.3f} s/step"),
-        ("mfu", "MFU {:.1%}"),
-    ]
-    parts += [template.format(logs[key]) for key, template in fields if key in logs]
-    return " | ".join(parts)
-
-
-class ProgressCallback(TrainerCallback):
-    """A tqdm bar on stderr; each log becomes one line on stdout."""
-
-    def __init__(self) -> None:
-        self.bar: Any = None
-
-    def on_train_begin(self, args, state, control, **kwargs) -> None:
-        from tqdm.auto import tqdm
-
-        # disable=None: a bar on a terminal, none in a log file (the log lines still print)
-        self.bar = tqdm(
-            total=state.max_steps, desc="training", unit="step", file=sys.stderr, dynamic_ncols=True, disable=None
-        )
-
-    def on_step_end(self, args, state, control, **kwargs) -> None:
-        if self.bar is not None:
-            self.bar.update(state.global_step - self.bar.n)
-
-    def on_log(self, args, state, control, logs=None, **kwargs) -> None:
-        logs = logs or {}
-        if self.bar is not None and ("loss" in logs or "eval_loss" in logs):
-            self.bar.write(format_log(state.global_step, state.max_steps, logs), file=sys.stdout)
-            if "loss" in logs:
-                self.bar.set_postfix(loss=f"{logs['loss']:.4f}")
-
-    def on_train_end(self, args, state, control, **kwargs) -> None:
-        if self.bar is not None:
-            self.bar.close()
-            self.bar = None
-
-
 def table(rows: list[tuple[str, str]]) -> str:
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
+
+
+def quiet_python_warnings() -> None:
+    """Silence library warnings that say nothing actionable to a user of this tool."""
+    for category in (FutureWarning, DeprecationWarning, UserWarning):
+        warnings.filterwarnings("ignore", category=category)
+    for name in ("transformers", "torch_xla", "accelerate", "datasets", "peft", "trl", "root"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    try:
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+        transformers.logging.disable_progress_bar()
+        import datasets
+
+        datasets.logging.set_verbosity_error()
+        datasets.disable_progress_bars()
+    except ImportError:  # pragma: no cover - both are dependencies
+        pass

@@ -1,7 +1,10 @@
-"""``lowmem-tpu sft``: one recipe in, one ``output_dir/final`` out.
+"""``lowmem-tpu sft``: one recipe in, one ``output_dir/final`` out, readable top to bottom.
 
 recipe -> runtime -> tokenizer + data -> base model -> LoRA / full -> sharded model
 -> XlaSFTTrainer -> adapter or full model, tokenizer, recipe.yaml, metrics.json
+
+This module composes the folders (``config``, ``xla``, ``model``, ``data``, ``train``,
+``publish``); it holds no technique of its own.
 """
 
 from __future__ import annotations
@@ -11,21 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lowmem_tpu.config import Recipe, micro_batch_size
 from lowmem_tpu.errors import UserError
-from lowmem_tpu.recipe import Recipe
-
-
-def micro_batch_size(recipe: Recipe, num_devices: int) -> int:
-    """Samples per forward pass over all devices; must split evenly over them."""
-    t = recipe.train
-    micro = t.global_batch_size // t.gradient_accumulation_steps
-    if micro % num_devices:
-        raise UserError(
-            f"train.global_batch_size: {t.global_batch_size} / {t.gradient_accumulation_steps} accumulation steps "
-            f"= {micro} per step does not split over {num_devices} devices; use a multiple of "
-            f"{num_devices * t.gradient_accumulation_steps}"
-        )
-    return micro
 
 
 def prepare_output(recipe: Recipe, overwrite: bool) -> Path:
@@ -47,14 +37,32 @@ class SftRun:
     metrics: dict[str, Any]
     final_dir: Path
     trainer: Any  # XlaSFTTrainer; ``trainer.fsdp_model`` is the trained, wrapped model
-    names: Any  # export.ParamNames of the unwrapped model
+    names: Any  # model.names.ParamNames of the unwrapped model
     stopped: str | None = None  # "SIGTERM" or "max_wall_time" when it saved and stopped early
+
+
+@dataclass
+class Job:
+    """One run's live state, from the built model to the trainer that trains it."""
+
+    model: Any  # the unwrapped (PEFT) model; its parameters live sharded on the devices
+    names: Any  # model.names.ParamNames, taken before wrapping
+    trainer: Any  # train.trainer.XlaSFTTrainer
+    metrics: Any  # train.metrics.MetricsCallback
+    guard: Any  # train.guard.GuardCallback
+    base: str  # where the adapter's base lives (recorded in adapter_config.json)
+    trainable: int
+    total: int
+    micro: int  # samples per forward pass over all devices
+    runtime: Any  # xla.runtime.Runtime
+    tokenizer: Any
+    flops_per_token: float
 
 
 def find_resume(recipe: Recipe, out: Path, force: bool) -> Path | None:
     """The checkpoint this run continues from, after cleaning up half-written ones."""
-    from lowmem_tpu import checkpoint as ckpt
     from lowmem_tpu.console import say
+    from lowmem_tpu.train import checkpoint as ckpt
 
     for stale in ckpt.remove_incomplete(out):
         say(f"removed an incomplete checkpoint: {stale}")
@@ -76,27 +84,27 @@ def find_resume(recipe: Recipe, out: Path, force: bool) -> Path | None:
 
 def run_sft(recipe: Recipe, overwrite: bool = False, force_resume: bool = False) -> SftRun:
     """Train as the recipe says and write ``output_dir/final`` (or a checkpoint, if stopped early)."""
-    from lowmem_tpu.runtime import configure_environment
+    from lowmem_tpu.xla.runtime import configure_environment
 
     started = time.perf_counter()
     out = prepare_output(recipe, overwrite)
     configure_environment(recipe.runtime)  # before transformers imports torch_xla
     if recipe.runtime.quiet:
-        from lowmem_tpu.runtime import quiet_python_warnings
+        from lowmem_tpu.console import quiet_python_warnings
 
         quiet_python_warnings()  # before datasets prints its progress bars
     if recipe.hub.push:
-        from lowmem_tpu.hub import check_push_ready
+        from lowmem_tpu.publish.hub import check_push_ready
 
         check_push_ready(recipe)  # a missing, rejected or read-only token fails now, not after training
 
-    from lowmem_tpu import data, modeling
+    from lowmem_tpu import data, model
     from lowmem_tpu.console import say
 
-    say(f"checking the recipe: {modeling.check_model(recipe)}")
+    say(f"checking the recipe: {model.check_model(recipe)}")
     resume = find_resume(recipe, out, force_resume)
     say("loading tokenizer and data")
-    tokenizer = modeling.load_tokenizer(recipe.model)
+    tokenizer = model.load_tokenizer(recipe.model)
     train_ds, data_stats = data.build_dataset(recipe.data, tokenizer)
     eval_ds = prompts = None
     if recipe.data.eval_path:
@@ -111,7 +119,7 @@ def run_sft(recipe: Recipe, overwrite: bool = False, force_resume: bool = False)
         f"({d['truncated']} truncated, {d['dropped']} dropped, {d['trained_tokens']:,} trained tokens)"
     )
 
-    from lowmem_tpu.runtime import setup_runtime
+    from lowmem_tpu.xla.runtime import setup_runtime
 
     runtime = setup_runtime(recipe.runtime)
     micro = micro_batch_size(recipe, runtime.num_devices)
@@ -123,14 +131,13 @@ def run_sft(recipe: Recipe, overwrite: bool = False, force_resume: bool = False)
     train_started = time.perf_counter()
     result = _train(job, resume)
     train_seconds = time.perf_counter() - train_started
-    guard = job["guard"]
-    if guard.stop_reason:
-        where = getattr(job["trainer"], "last_checkpoint", None)
+    if job.guard.stop_reason:
+        where = getattr(job.trainer, "last_checkpoint", None)
         say(
-            f"stopped at step {job['trainer'].state.global_step} ({guard.stop_reason}); checkpoint saved in {where}. "
+            f"stopped at step {job.trainer.state.global_step} ({job.guard.stop_reason}); checkpoint saved in {where}. "
             "Run the same command again to resume (train.resume: auto)."
         )
-        return SftRun({}, where, job["trainer"], job["names"], stopped=guard.stop_reason)
+        return SftRun({}, where, job.trainer, job.names, stopped=job.guard.stop_reason)
     after = _evaluate(job, prompts, "after training")
 
     metrics = _metrics(recipe, runtime, job, data_stats, before, after, result, train_seconds)
@@ -141,87 +148,68 @@ def run_sft(recipe: Recipe, overwrite: bool = False, force_resume: bool = False)
         )
     final = _save(recipe, job, tokenizer, out, metrics)
     metrics["time"]["total_seconds"] = round(time.perf_counter() - started, 1)
-    from lowmem_tpu.export import write_json
+    from lowmem_tpu.files import write_json
 
     write_json(final / "metrics.json", metrics)
     _summary(recipe, metrics, final)
     if recipe.hub.push:
-        from lowmem_tpu.hub import push_after_training
+        from lowmem_tpu.publish.hub import push_after_training
 
         say(f"pushed {final} to {recipe.hub.repo_id}: {push_after_training(final, recipe)}")
-    return SftRun(metrics, final, job["trainer"], job["names"])
+    return SftRun(metrics, final, job.trainer, job.names)
 
 
-def _train(job: dict[str, Any], resume: Path | None) -> Any:
+def _train(job: Job, resume: Path | None) -> Any:
     """Run the trainer with SIGTERM turned into "save at the next step boundary, then stop"."""
     import signal
     import threading
 
     handler_installed = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, job["guard"].request_stop) if handler_installed else None
+    previous = signal.signal(signal.SIGTERM, job.guard.request_stop) if handler_installed else None
     try:
-        return job["trainer"].train(resume_from_checkpoint=str(resume) if resume else None)
+        return job.trainer.train(resume_from_checkpoint=str(resume) if resume else None)
     finally:
         if handler_installed:
             signal.signal(signal.SIGTERM, previous)
 
 
-def _build(recipe: Recipe, runtime, tokenizer, train_ds, eval_ds, micro: int, out: Path) -> dict[str, Any]:
-    from lowmem_tpu import modeling
-    from lowmem_tpu.console import ProgressCallback, say
-    from lowmem_tpu.export import ParamNames
-    from lowmem_tpu.recipe import parse_duration
-    from lowmem_tpu.sharding import place_parameters
-    from lowmem_tpu.trainer import GuardCallback, MetricsCallback, XlaSFTTrainer, training_args
+def _build(recipe: Recipe, runtime, tokenizer, train_ds, eval_ds, micro: int, out: Path) -> Job:
+    from lowmem_tpu import model as m
+    from lowmem_tpu.config import parse_duration
+    from lowmem_tpu.console import say
+    from lowmem_tpu.train.guard import GuardCallback
+    from lowmem_tpu.train.metrics import MetricsCallback
+    from lowmem_tpu.train.progress import ProgressCallback
+    from lowmem_tpu.train.trainer import build_trainer
+    from lowmem_tpu.xla.sharding import place_parameters
 
     init = ", random init" if recipe.model.random_init else ""
     quant = f", {recipe.model.quantize} base" if recipe.model.quantize != "none" else ""
     say(f"loading {recipe.model.name_or_path} ({recipe.model.dtype}{init}{quant})")
-    model = modeling.load_model(recipe.model, recipe.train.seed)
-    modeling.align_special_tokens(model, tokenizer)
+    model = m.build_base_model(recipe.model, recipe.train.seed)
+    m.align_special_tokens(model, tokenizer)
     base = _base_reference(recipe, model, tokenizer, out)
-    modeling.quantize_base(model, recipe.model)  # after saving a random-init base in full precision
-    model = modeling.apply_lora(model, recipe)
-    trainable, total = modeling.count_parameters(model)
+    m.quantize_base(model, recipe.model)  # after saving a random-init base in full precision
+    model = m.apply_lora(model, recipe)
+    trainable, total = m.count_parameters(model)
     what = "LoRA" if recipe.lora.enabled else "full fine-tuning"
     say(f"{what}: {trainable:,} trainable of {total:,} parameters ({100 * trainable / total:.2f}%)")
     place_parameters(model, runtime, recipe.sharding.strategy)
-    names = ParamNames(model)
-    metrics_cb = MetricsCallback()
     t = recipe.train
+    metrics = MetricsCallback()
     wall = parse_duration(t.max_wall_time) if t.max_wall_time else None
     guard = GuardCallback(wall, t.loss_spike_factor, say, skip_nonfinite=t.on_nonfinite == "skip")
-    flops = modeling.flops_per_token(model.config, total, trainable, recipe.data.max_length, recipe.lora.enabled)
-    trainer = XlaSFTTrainer(
-        recipe=recipe,
-        runtime=runtime,
-        names=names,
-        flops_per_token=flops,
-        model=model,
-        args=training_args(recipe, micro),
-        train_dataset=train_ds,
-        eval_dataset=eval_ds,
-        processing_class=tokenizer,
-        callbacks=[metrics_cb, guard, ProgressCallback()],
+    flops = m.flops_per_token(model.config, total, trainable, recipe.data.max_length, recipe.lora.enabled)
+    callbacks = [metrics, guard, ProgressCallback()]
+    trainer = build_trainer(
+        recipe, runtime, model, train_ds, tokenizer, micro, callbacks, eval_dataset=eval_ds, flops_per_token=flops
     )
-    return {
-        "model": model,
-        "names": names,
-        "trainer": trainer,
-        "metrics_cb": metrics_cb,
-        "guard": guard,
-        "base": base,
-        "params": (trainable, total),
-        "micro": micro,
-        "runtime": runtime,
-        "tokenizer": tokenizer,
-        "flops_per_token": flops,
-    }
+    return Job(model, trainer.names, trainer, metrics, guard, base, trainable, total, micro, runtime, tokenizer, flops)
 
 
 def _base_reference(recipe: Recipe, model, tokenizer, out: Path) -> str:
     """Where the adapter's base lives; a random-init base is saved so the adapter can be reloaded."""
-    from lowmem_tpu.modeling import resolve_source
+    from lowmem_tpu.model import resolve_source
 
     if not recipe.model.random_init:
         source = resolve_source(recipe.model.name_or_path)
@@ -233,12 +221,12 @@ def _base_reference(recipe: Recipe, model, tokenizer, out: Path) -> str:
     return str(base.resolve())
 
 
-def _evaluate(job: dict[str, Any], prompts, label: str) -> dict[str, Any]:
+def _evaluate(job: Job, prompts, label: str) -> dict[str, Any]:
     from lowmem_tpu.console import say
-    from lowmem_tpu.evaluation import greedy_exact_match
-    from lowmem_tpu.runtime import sync
+    from lowmem_tpu.evaluate import greedy_exact_match
+    from lowmem_tpu.xla.runtime import sync
 
-    trainer, recipe = job["trainer"], job["trainer"].recipe
+    trainer, recipe = job.trainer, job.trainer.recipe
     result: dict[str, Any] = {}
     if trainer.eval_dataset is not None:
         scores = trainer.evaluate()
@@ -247,12 +235,12 @@ def _evaluate(job: dict[str, Any], prompts, label: str) -> dict[str, Any]:
     if prompts:
         em = greedy_exact_match(
             trainer.fsdp_model,
-            job["tokenizer"],
+            job.tokenizer,
             prompts,
             length=recipe.data.max_length,
             max_new_tokens=recipe.train.max_new_tokens,
-            batch_size=job["micro"],
-            device=job["runtime"].device,
+            batch_size=job.micro,
+            device=job.runtime.device,
             sync=sync,
         )
         result |= {"exact_match": em.accuracy, "exact_match_total": em.total, "examples": em.examples}
@@ -262,17 +250,17 @@ def _evaluate(job: dict[str, Any], prompts, label: str) -> dict[str, Any]:
     return result
 
 
-def _metrics(recipe, runtime, job, data_stats, before, after, result, train_seconds) -> dict[str, Any]:
-    from lowmem_tpu.runtime import cache_stats, compile_count, compile_seconds
+def _metrics(recipe, runtime, job: Job, data_stats, before, after, result, train_seconds) -> dict[str, Any]:
+    from lowmem_tpu.xla.runtime import cache_stats, compile_count, compile_seconds
 
-    cb = job["metrics_cb"]
+    cb = job.metrics
     steps = recipe.train.max_steps
     warmup = cb.warmup_end(steps)
     by_step = cb.compiles_by_step
     logs = [entry for entry in cb.logs if "loss" in entry]
     steady = [entry for entry in logs if entry["step"] > warmup and "tokens_per_second" in entry]
     mean = lambda key: sum(e[key] for e in steady) / len(steady) if steady else None  # noqa: E731
-    trainable, total = job["params"]
+    trainable, total = job.trainable, job.total
     return {
         "platform": runtime.platform,
         "num_devices": runtime.num_devices,
@@ -281,7 +269,7 @@ def _metrics(recipe, runtime, job, data_stats, before, after, result, train_seco
         "total_parameters": total,
         "steps": steps,
         "global_batch_size": recipe.train.global_batch_size,
-        "micro_batch_size": job["micro"],
+        "micro_batch_size": job.micro,
         "max_length": recipe.data.max_length,
         "data": data_stats,
         "train": {
@@ -293,7 +281,7 @@ def _metrics(recipe, runtime, job, data_stats, before, after, result, train_seco
             "steady_tokens_per_second_per_device": mean("tokens_per_second_per_device"),
             "steady_step_time": mean("step_time"),
             "steady_mfu": mean("mfu") if runtime.peak_flops else None,
-            "flops_per_token": job["flops_per_token"],
+            "flops_per_token": job.flops_per_token,
         },
         "eval": {"before": before, "after": after},
         "compiles": {
@@ -308,20 +296,18 @@ def _metrics(recipe, runtime, job, data_stats, before, after, result, train_seco
     }
 
 
-def _save(recipe: Recipe, job: dict[str, Any], tokenizer, out: Path, metrics: dict[str, Any]) -> Path:
+def _save(recipe: Recipe, job: Job, tokenizer, out: Path, metrics: dict[str, Any]) -> Path:
     from lowmem_tpu.console import say
-    from lowmem_tpu.export import check_adapter, publish, save_adapter, save_full_model
+    from lowmem_tpu.files import fresh_partial, publish
+    from lowmem_tpu.publish.export import check_adapter, save_adapter, save_full_model
 
-    final, partial = out / "final", out / "final.partial"
-    if partial.exists():
-        import shutil
-
-        shutil.rmtree(partial)
+    final = out / "final"
+    partial = fresh_partial(final)
     if recipe.lora.enabled:
-        keys = save_adapter(job["model"], job["names"], partial, job["base"])
+        keys = save_adapter(job.model, job.names, partial, job.base)
         check_adapter(partial, keys)
     else:
-        save_full_model(job["model"], job["names"], partial)
+        save_full_model(job.model, job.names, partial)
     tokenizer.save_pretrained(partial)
     (partial / "recipe.yaml").write_text(recipe.to_yaml())
     publish(partial, final)

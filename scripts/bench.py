@@ -22,7 +22,7 @@ OUT = Path("outputs/bench")
 
 
 def recipe_for(overrides: list[str], steps: int, name: str) -> Any:
-    from lowmem_tpu.recipe import load_recipe
+    from lowmem_tpu.config import load_recipe
 
     return load_recipe(
         "recipes/tiny_lora_cpu.yaml",
@@ -51,13 +51,15 @@ def run_floor(overrides: list[str], steps: int, warmup: int) -> float:
     import torch_xla.distributed.spmd as xs
     from transformers import get_scheduler
 
-    from lowmem_tpu import data, modeling, runtime, sharding
+    from lowmem_tpu import data
+    from lowmem_tpu import model as modeling
+    from lowmem_tpu.xla import runtime, sharding
 
     recipe = recipe_for(overrides, steps, "floor")
     rt = runtime.setup_runtime(recipe.runtime)
     tokenizer = modeling.load_tokenizer(recipe.model)
     rows, _ = data.build_dataset(recipe.data, tokenizer)
-    model = modeling.apply_lora(modeling.load_model(recipe.model, recipe.train.seed), recipe)
+    model = modeling.apply_lora(modeling.build_base_model(recipe.model, recipe.train.seed), recipe)
     sharding.place_parameters(model, rt, recipe.sharding.strategy)
     wrapped = sharding.wrap_model(model, recipe.sharding, rt)
     params = [p for p in wrapped.parameters() if p.requires_grad]
@@ -93,12 +95,13 @@ def try_plain_trl(overrides: list[str]) -> str:
     from peft import LoraConfig
     from trl import SFTConfig, SFTTrainer
 
-    from lowmem_tpu import data, modeling
+    from lowmem_tpu import data
+    from lowmem_tpu import model as modeling
 
     recipe = recipe_for(overrides, 4, "trl")
     tokenizer = modeling.load_tokenizer(recipe.model)
     rows, _ = data.build_dataset(recipe.data, tokenizer)
-    model = modeling.load_model(recipe.model, recipe.train.seed)
+    model = modeling.build_base_model(recipe.model, recipe.train.seed)
     args = SFTConfig(
         output_dir=str(OUT / "trl"),
         max_steps=4,
@@ -124,7 +127,7 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
 
-    from lowmem_tpu.runtime import configure_environment
+    from lowmem_tpu.xla.runtime import configure_environment
 
     configure_environment(recipe_for(args.overrides, args.steps, "x").runtime)
     warmup = max(3, args.steps // 3 + 1)

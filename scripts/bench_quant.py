@@ -45,7 +45,7 @@ def model_dir(hidden: int) -> Path:
 
 
 def run(method: str, steps: int, hidden: int, overrides: list[str]) -> dict:
-    from lowmem_tpu.recipe import load_recipe
+    from lowmem_tpu.config import load_recipe
     from lowmem_tpu.sft import run_sft
 
     recipe = load_recipe(
@@ -74,8 +74,8 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
-    from lowmem_tpu.recipe import load_recipe
-    from lowmem_tpu.runtime import configure_environment
+    from lowmem_tpu.config import load_recipe
+    from lowmem_tpu.xla.runtime import configure_environment
 
     configure_environment(load_recipe("recipes/tiny_lora_cpu.yaml").runtime)
     results: dict[str, list[dict]] = {m: [] for m in METHODS}

@@ -34,14 +34,16 @@ SIZES = {
     "1b": {**LLAMA, "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 16,
            "num_attention_heads": 16, "num_key_value_heads": 16, "head_dim": 128},
 }  # fmt: skip
-IMPORTS = "import torch, transformers, peft, lowmem_tpu.merge; from peft import PeftModel; import lowmem_tpu.console"
+IMPORTS = (
+    "import torch, transformers, peft, lowmem_tpu.publish.merge; from peft import PeftModel; import lowmem_tpu.console"
+)
 
 BUILD = """
 import json, sys, torch
 from pathlib import Path
 from peft import LoraConfig, get_peft_model
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-from lowmem_tpu.recipe import ASSETS
+from lowmem_tpu.config.assets import ASSETS
 
 base, adapter, overrides = Path(sys.argv[1]), Path(sys.argv[2]), json.loads(sys.argv[3])
 tiny = ASSETS / "tiny-llama"

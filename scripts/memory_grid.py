@@ -27,9 +27,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from lowmem_tpu.measure import compile_step  # noqa: E402
-from lowmem_tpu.memory_report import plan_recipe  # noqa: E402
-from lowmem_tpu.recipe import load_recipe  # noqa: E402
+from lowmem_tpu.config import load_recipe  # noqa: E402
+from lowmem_tpu.memory.advise import plan_recipe  # noqa: E402
+from lowmem_tpu.memory.measure import compile_step  # noqa: E402
 
 LLAMA_162M = {
     "architectures": ["LlamaForCausalLM"],

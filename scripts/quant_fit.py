@@ -23,9 +23,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from lowmem_tpu.config import load_recipe  # noqa: E402
 from lowmem_tpu.memory import DEVICES, GiB, plan_setting, require_config, setting_of, shape_of  # noqa: E402
-from lowmem_tpu.memory_report import plan_json  # noqa: E402
-from lowmem_tpu.recipe import load_recipe  # noqa: E402
+from lowmem_tpu.memory.advise import plan_json  # noqa: E402
 
 SEVEN_B = "openlm-research/open_llama_7b_v2"
 POINTS = [  # (label, device, overrides of recipes/open_llama_lora.yaml)

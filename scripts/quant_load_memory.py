@@ -32,7 +32,8 @@ def rss():
     return fields["RssAnon"], fields["VmRSS"]
 
 from transformers import AutoConfig, AutoModelForCausalLM
-from lowmem_tpu.quantize import load_quantized
+from lowmem_tpu.config import ModelSection
+from lowmem_tpu.model import build_base_model
 
 path, way = sys.argv[1], sys.argv[2]
 config = AutoConfig.from_pretrained(path)
@@ -50,7 +51,8 @@ thread.start()
 if way == "from_pretrained":
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
 else:
-    model = load_quantized(path, None, config, way, 64, False, torch.float32, "eager")
+    section = ModelSection(name_or_path=path, dtype="float32", attn_implementation="eager", quantize=way)
+    model = build_base_model(section)
 done[0] = True
 thread.join()
 held = sum(t.numel() * t.element_size() for t in model.state_dict().values())

@@ -14,14 +14,14 @@ ROOT = Path(__file__).resolve().parents[1]
 HEAVY = ("torch", "torch_xla", "transformers", "trl", "peft", "datasets")
 
 
-def cli(*args: str, importtime: bool = False) -> subprocess.CompletedProcess[str]:
-    """Run ``python -m lowmem_tpu.cli ARGS`` from the repository root on the CPU backend."""
+def cli(*args: str, importtime: bool = False, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m lowmem_tpu.cli ARGS`` (from the repository root unless ``cwd``) on the CPU backend."""
     env = {**os.environ, "PJRT_DEVICE": "CPU", "COLUMNS": "120", "HF_HUB_OFFLINE": "1"}
     if importtime:
         env["PYTHONPROFILEIMPORTTIME"] = "1"
     return subprocess.run(
         [sys.executable, "-m", "lowmem_tpu.cli", *args],
-        cwd=ROOT,
+        cwd=cwd,
         env=env,
         capture_output=True,
         text=True,
@@ -45,6 +45,18 @@ def test_validate_a_shipped_recipe():
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("ok: recipes/open_llama_lora.yaml is valid (")
     assert "LlamaDecoderLayer" in result.stdout
+
+
+def test_a_shipped_recipe_is_found_by_name_from_any_directory(tmp_path):
+    for name in ("open_llama_lora", "recipes/open_llama_lora.yaml"):
+        result = cli("validate", name, cwd=tmp_path)
+        assert result.returncode == 0, result.stderr
+        assert "LlamaDecoderLayer" in result.stdout
+    result = cli("show", "tiny_lora_cpu", "train.max_steps=7", cwd=tmp_path)
+    assert result.returncode == 0 and yaml.safe_load(result.stdout)["train"]["max_steps"] == 7
+    result = cli("validate", "no_such_recipe", cwd=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "no shipped recipe of that name (shipped: open_llama_7b_qlora, open_llama_full" in result.stderr
 
 
 def test_misspelt_key_exits_2_with_the_suggestion_and_no_traceback():

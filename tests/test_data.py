@@ -9,8 +9,9 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from lowmem_tpu.config import DataSection
+from lowmem_tpu.config.assets import ASSETS
 from lowmem_tpu.data import DataError, build_dataset, collate, exact_match_prompts, load_records
-from lowmem_tpu.recipe import ASSETS, DataSection
 
 TOKENIZER = ASSETS / "tiny-llama"
 

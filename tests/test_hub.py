@@ -17,10 +17,10 @@ import yaml
 from hub_server import FakeHub
 from tiny_models import make_adapter, make_base
 
+from lowmem_tpu.config import load_recipe
 from lowmem_tpu.errors import UserError
-from lowmem_tpu.hub import check_push_ready, push, push_after_training
-from lowmem_tpu.merge import merge_adapter
-from lowmem_tpu.recipe import load_recipe
+from lowmem_tpu.publish.hub import check_push_ready, push, push_after_training
+from lowmem_tpu.publish.merge import merge_adapter
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "hf_FAKEtoken0123456789abcdefSECRET"  # must never be printed or written
@@ -253,7 +253,7 @@ def test_recipe_push_checks_at_start_and_pushes_at_the_end(run, hub, monkeypatch
 
 
 def test_card_renders_memory_figures_when_the_run_recorded_them(run, tmp_path):
-    from lowmem_tpu.card import model_card
+    from lowmem_tpu.publish.card import model_card
 
     adapter, _ = run
     copy = shutil.copytree(adapter, tmp_path / "final")
@@ -297,7 +297,7 @@ def test_cli_never_shows_or_writes_the_token(run, hub, tmp_path):
 
 
 def test_card_of_a_full_fine_tuning_run(run, tmp_path):
-    from lowmem_tpu.card import model_card
+    from lowmem_tpu.publish.card import model_card
 
     adapter, merged = run
     final = tmp_path / "final"  # what sft writes with lora.enabled: false

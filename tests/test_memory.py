@@ -14,10 +14,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from lowmem_tpu import memory, memory_report
+from lowmem_tpu.config import load_recipe
+from lowmem_tpu.config.schema import LORA_TARGETS
 from lowmem_tpu.errors import UserError
-from lowmem_tpu.measure import live_at_peak, parse_buffer_assignment, shard_numel
-from lowmem_tpu.recipe import load_recipe
+from lowmem_tpu.memory import advise as memory_report
+from lowmem_tpu.memory import plan as memory
+from lowmem_tpu.memory import shape
+from lowmem_tpu.memory.compiler import live_at_peak, parse_buffer_assignment
+from lowmem_tpu.memory.measure import shard_numel
 
 ROOT = Path(__file__).resolve().parents[1]
 HEAVY = ("torch", "torch_xla", "transformers", "trl", "peft", "datasets")
@@ -25,11 +29,11 @@ HEAVY = ("torch", "torch_xla", "transformers", "trl", "peft", "datasets")
 CONFIG = SimpleNamespace(
     hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4, vocab_size=100
 )
-SHAPE = memory.shape_of(CONFIG)
-BASE = memory.Setting(
+SHAPE = shape.shape_of(CONFIG)
+BASE = shape.Setting(
     lora=False,
     rank=8,
-    targets=memory.ALL_LINEAR,
+    targets=LORA_TARGETS,
     lora_dropout=0.0,
     dtype="float32",
     strategy="fsdp",
@@ -53,7 +57,7 @@ def cli(*args: str, importtime: bool = False, device: str = "CPU") -> subprocess
     )
 
 
-def plan(st: memory.Setting = BASE, layout: str = "tpu", capacity: int = GiB) -> memory.Plan:
+def plan(st: shape.Setting = BASE, layout: str = "tpu", capacity: int = GiB) -> memory.Plan:
     return memory.plan_setting(SHAPE, st, layout, capacity)
 
 
@@ -185,9 +189,9 @@ def test_plan_recipe_has_a_twin_and_the_shipped_configs():
 
 def test_unknown_model_type_and_bad_batch_are_user_errors():
     with pytest.raises(UserError, match="Llama-like"):
-        memory.shape_of(SimpleNamespace(model_type="t5", d_model=512))
+        shape.shape_of(SimpleNamespace(model_type="t5", d_model=512))
     recipe = load_recipe(ROOT / "recipes/tiny_lora_cpu.yaml", ["train.global_batch_size=4"])  # 4 CPU devices
-    with pytest.raises(UserError, match="does not split over 8 devices"):
+    with pytest.raises(UserError, match="must split evenly over 8 devices"):
         memory_report.plan_recipe(recipe, "v3-8")
 
 
@@ -364,7 +368,7 @@ def test_quantization_is_suggested_to_lora_only_and_shown_in_the_report():
 @pytest.mark.parametrize("quantize", ["int8", "int4"])
 def test_quantized_base_on_the_cpu_compiler_matches_the_planner(quantize):
     """The tiny recipe's real step with a quantized base, compiled for 4 CPU devices: planner vs compiler."""
-    from lowmem_tpu.measure import compile_step
+    from lowmem_tpu.memory.measure import compile_step
 
     recipe = load_recipe(ROOT / "recipes/tiny_lora_cpu.yaml", [f"model.quantize={quantize}"])
     measured = compile_step(recipe, 4)

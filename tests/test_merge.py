@@ -16,8 +16,9 @@ from safetensors.torch import load_file, save_file
 from tiny_models import make_adapter, make_base
 
 from lowmem_tpu.errors import UserError
-from lowmem_tpu.export import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-from lowmem_tpu.merge import MERGE_REPORT, PROMPTS, merge_adapter
+from lowmem_tpu.publish.export import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from lowmem_tpu.publish.merge import MERGE_REPORT, merge_adapter
+from lowmem_tpu.publish.verify import PROMPTS
 
 ROOT = Path(__file__).resolve().parents[1]
 

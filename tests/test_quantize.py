@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -11,16 +12,16 @@ import torch
 from tiny_models import make_base, train_tiny
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from lowmem_tpu.config import ModelSection, RecipeError, load_recipe
 from lowmem_tpu.errors import UserError
-from lowmem_tpu.quantize import (
+from lowmem_tpu.model import build_base_model
+from lowmem_tpu.model.quantize import (
     QuantizedLinear,
     dequantize_weight,
-    load_quantized,
     logical_parameters,
     quantize_model,
     quantize_weight,
 )
-from lowmem_tpu.recipe import RecipeError, load_recipe
 
 
 @pytest.mark.parametrize(
@@ -81,8 +82,8 @@ def test_quantized_linear_is_a_frozen_linear_that_peft_wraps():
 
 
 def test_backward_dequantizes_again_and_saves_no_float_weight():
-    from lowmem_tpu.recipe import RuntimeSection
-    from lowmem_tpu.runtime import setup_runtime
+    from lowmem_tpu.config import RuntimeSection
+    from lowmem_tpu.xla.runtime import setup_runtime
 
     # On the XLA devices, as in training (a CPU backward first would start autograd without them).
     device = setup_runtime(RuntimeSection()).device
@@ -100,6 +101,19 @@ def test_backward_dequantizes_again_and_saves_no_float_weight():
     assert all(t.dtype in (torch.int8, torch.uint8) or t.shape != (32, 64) for t in saved)
 
 
+def load_quantized(path, method: str, group: int, lm_head: bool):
+    """The one base builder reading a checkpoint, quantizing as it reads (float32, eager attention)."""
+    section = ModelSection(
+        name_or_path=str(path),
+        dtype="float32",
+        attn_implementation="eager",
+        quantize=method,
+        quantize_group_size=group,
+        quantize_lm_head=lm_head,
+    )
+    return build_base_model(section)
+
+
 @pytest.fixture(scope="module")
 def bases(tmp_path_factory):
     root = tmp_path_factory.mktemp("qbase")
@@ -114,8 +128,7 @@ def bases(tmp_path_factory):
 @pytest.mark.parametrize(("method", "group"), [("int8", 64), ("int4", 32)])
 def test_loading_quantizes_each_tensor_as_read_same_as_quantizing_the_loaded_model(bases, layout, method, group):
     path = bases[layout]
-    config = AutoConfig.from_pretrained(path)
-    streamed = load_quantized(str(path), None, config, method, group, False, torch.float32, "eager")
+    streamed = load_quantized(path, method, group, False)
     reference, full_logits_model = (
         AutoModelForCausalLM.from_pretrained(bases["safetensors"], dtype=torch.float32, attn_implementation="eager")
         for _ in range(2)
@@ -135,32 +148,31 @@ def test_loading_quantizes_each_tensor_as_read_same_as_quantizing_the_loaded_mod
 
 
 def test_quantized_lm_head_and_a_refused_tied_head(bases, tmp_path):
-    from lowmem_tpu.quantize import check_quantizable
+    from lowmem_tpu.model.quantize import check_quantizable
 
-    config = AutoConfig.from_pretrained(bases["safetensors"])
-    model = load_quantized(str(bases["safetensors"]), None, config, "int8", 64, True, torch.float32, "eager")
+    model = load_quantized(bases["safetensors"], "int8", 64, True)
     assert isinstance(model.lm_head, QuantizedLinear)
     tied = make_base(tmp_path / "tied", tie_word_embeddings=True)
     with pytest.raises(UserError, match="quantize_lm_head: this model ties its LM head"):
         check_quantizable(AutoConfig.from_pretrained(tied), lm_head=True)
     check_quantizable(AutoConfig.from_pretrained(tied), lm_head=False)
-    model = load_quantized(str(tied), None, AutoConfig.from_pretrained(tied), "int4", 32, False, torch.float32, "eager")
+    model = load_quantized(tied, "int4", 32, False)
     assert model.lm_head.weight is model.model.embed_tokens.weight
 
 
 def test_a_directory_without_weights_or_with_missing_ones_is_refused(bases, tmp_path):
-    config = AutoConfig.from_pretrained(bases["safetensors"])
     (tmp_path / "empty").mkdir()
     with pytest.raises(UserError, match=r"holds no model\.safetensors or pytorch_model\.bin"):
-        load_quantized(str(tmp_path / "empty"), None, config, "int8", 64, False, torch.float32, "eager")
+        load_quantized(tmp_path / "empty", "int8", 64, False)
     from safetensors.torch import load_file, save_file
 
     state = load_file(str(bases["safetensors"] / "model.safetensors"))
     del state["model.layers.2.mlp.up_proj.weight"]
     (tmp_path / "partial").mkdir()
     save_file(state, str(tmp_path / "partial" / "model.safetensors"), metadata={"format": "pt"})
+    shutil.copy(bases["safetensors"] / "config.json", tmp_path / "partial")
     with pytest.raises(UserError, match=r"lacks weights for 2 parameters \(first: model\.layers\.2\.mlp\.up_proj"):
-        load_quantized(str(tmp_path / "partial"), None, config, "int8", 64, False, torch.float32, "eager")
+        load_quantized(tmp_path / "partial", "int8", 64, False)
 
 
 def test_recipe_refuses_quantizing_a_fully_fine_tuned_base():
@@ -213,15 +225,14 @@ def test_losses_match_the_full_precision_base(trained):
 
 @pytest.mark.slow
 def test_quantized_base_is_sharded_frozen_and_untouched(trained, bases):
-    from lowmem_tpu.runtime import sharding_spec
+    from lowmem_tpu.xla.device import sharding_spec
 
     _, run = trained["int4"]
     params = run.names.params
     qweight = params["base_model.model.model.layers.0.mlp.down_proj.base_layer.qweight"]
     assert qweight.dtype == torch.uint8 and not qweight.requires_grad
     assert sharding_spec(qweight).startswith("{devices=[4,1]")  # [128, 128 packed]: split on dim 0
-    config = AutoConfig.from_pretrained(bases["safetensors"])
-    fresh = load_quantized(str(bases["safetensors"]), None, config, "int4", 32, False, torch.float32, "eager")
+    fresh = load_quantized(bases["safetensors"], "int4", 32, False)
     fresh_state = fresh.state_dict()
     for name, value in run.names.host_state().items():
         if "lora_" not in name:
@@ -234,7 +245,7 @@ def test_quantized_base_is_sharded_frozen_and_untouched(trained, bases):
 def test_adapter_is_a_normal_peft_adapter_for_the_unquantized_base(trained, bases, method, tmp_path):
     from peft import PeftModel
 
-    from lowmem_tpu.merge import merge_adapter
+    from lowmem_tpu.publish.merge import merge_adapter
 
     _, run = trained[method]
     config = json.loads((run.final_dir / "adapter_config.json").read_text())

@@ -9,9 +9,7 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
-from lowmem_tpu.errors import UserError
-from lowmem_tpu.recipe import (
-    BUILTIN,
+from lowmem_tpu.config import (
     DataSection,
     LoraSection,
     ModelSection,
@@ -20,12 +18,13 @@ from lowmem_tpu.recipe import (
     ShardingSection,
     TrainSection,
     apply_overrides,
-    builtin_names,
-    default_recipe_path,
     load_recipe,
     read_recipe_file,
     validate_recipe,
 )
+from lowmem_tpu.config.assets import BUILTIN, builtin_names
+from lowmem_tpu.config.loading import default_recipe_path
+from lowmem_tpu.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
@@ -55,7 +54,7 @@ def test_recipes_are_shipped():
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
 def test_shipped_recipe_validates_and_fits_its_model(path):
-    from lowmem_tpu.modeling import check_model
+    from lowmem_tpu.model import check_model
 
     recipe = load_recipe(path)
     assert recipe.extends is None  # the chain is merged away
@@ -64,7 +63,7 @@ def test_shipped_recipe_validates_and_fits_its_model(path):
 
 
 def test_layer_class_the_model_lacks_is_refused():
-    from lowmem_tpu.modeling import check_model
+    from lowmem_tpu.model import check_model
 
     recipe = load_recipe(TINY, ["sharding.layer_class=Foo"])  # only the architecture can tell
     with pytest.raises(UserError) as info:

@@ -9,7 +9,7 @@ import pytest
 import torch
 from tiny_models import train_tiny
 
-from lowmem_tpu.recipe import load_recipe
+from lowmem_tpu.config import load_recipe
 
 pytestmark = pytest.mark.slow
 
@@ -51,9 +51,9 @@ def full_run(tmp_path_factory, lora_run):
 
 
 def _initial_model(recipe):
-    from lowmem_tpu import modeling
+    from lowmem_tpu import model as modeling
 
-    model = modeling.load_model(recipe.model, recipe.train.seed)
+    model = modeling.build_base_model(recipe.model, recipe.train.seed)
     return modeling.apply_lora(model, recipe)
 
 
@@ -71,7 +71,7 @@ def test_lora_output_files(lora_run):
 
 
 def test_parameters_are_really_sharded(lora_run):
-    from lowmem_tpu.runtime import sharding_spec
+    from lowmem_tpu.xla.device import sharding_spec
 
     _, run = lora_run
     specs = {name: sharding_spec(p) for name, p in run.names.params.items()}
@@ -167,7 +167,7 @@ def test_guard_stops_on_nonfinite_loss_and_warns_on_spikes(tmp_path):
     from transformers import TrainerControl, TrainerState, TrainingArguments
 
     from lowmem_tpu.errors import NonFiniteError
-    from lowmem_tpu.trainer import GuardCallback
+    from lowmem_tpu.train.guard import GuardCallback
 
     warnings: list[str] = []
     guard = GuardCallback(None, 5.0, warnings.append)
@@ -198,7 +198,7 @@ def test_scan_layers_trains_exactly_like_unrolled_layers(tmp_path_factory):
 def test_skip_mode_drops_a_nonfinite_update_exactly(lora_run, tmp_path):
     from transformers import TrainerControl, TrainerState, TrainingArguments
 
-    from lowmem_tpu.trainer import GuardCallback
+    from lowmem_tpu.train.guard import GuardCallback
 
     _, run = lora_run
     optimizer = run.trainer.optimizer

@@ -8,7 +8,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from lowmem_tpu.recipe import ASSETS, load_recipe
+from lowmem_tpu.config import load_recipe
+from lowmem_tpu.config.assets import ASSETS
 
 TINY = ASSETS / "tiny-llama"
 

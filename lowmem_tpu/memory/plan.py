@@ -3,214 +3,20 @@
 Nothing here imports torch or torch_xla. The inputs are a transformers config (or
 anything with the same attributes) and the recipe; the output is, per device, the
 weights, gradients and optimizer state (exact: the same shard rule as
-``sharding.partition_spec``), the activations and logits buffers (a model of what XLA
+``xla.sharding.partition_spec``), the activations and logits buffers (a model of what XLA
 keeps live, calibrated against the CPU compiler: see docs/memory.md), and a margin for
-XLA's workspace. ``memory_report`` builds on it: the recipe's twin (LoRA <-> full
+XLA's workspace. ``advise`` builds on it: the recipe's twin (LoRA <-> full
 fine-tuning), what to turn on when a plan does not fit, and the command's output.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, replace
-from pathlib import Path
-from types import SimpleNamespace
-from typing import Any
 
-from lowmem_tpu.errors import UserError
-from lowmem_tpu.recipe import Recipe
+from lowmem_tpu.memory.shape import Setting, Shape, linears
 
-GiB = 2**30
-ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
-QUANT_BITS = {"int8": 8, "int4": 4}  # quantize.BITS, without importing torch
-
-
-@dataclass(frozen=True)
-class Device:
-    """One kind of TPU VM (or this machine's CPU backend): XLA devices and memory per device."""
-
-    name: str
-    devices: int
-    hbm_bytes: int
-    about: str
-
-
-# A v2-8/v3-8 shows 8 XLA devices (one per core); from v4 on, one device per chip
-# (v4-8 and v5p-8 have 4 chips: the name counts TensorCores).
-DEVICES = {
-    d.name: d
-    for d in (
-        Device("v2-8", 8, 8 * GiB, "TPU v2-8: 8 cores x 8 GiB"),
-        Device("v3-8", 8, 16 * GiB, "TPU v3-8 (Kaggle, Colab): 8 cores x 16 GiB"),
-        Device("v4-8", 4, 32 * GiB, "TPU v4-8: 4 chips x 32 GiB"),
-        Device("v5e-1", 1, 16 * GiB, "TPU v5e-1: 1 chip x 16 GiB"),
-        Device("v5e-8", 8, 16 * GiB, "TPU v5e-8: 8 chips x 16 GiB"),
-        Device("v5p-8", 4, 95 * GiB, "TPU v5p-8: 4 chips x 95 GiB"),
-        Device("v6e-8", 8, 32 * GiB, "TPU v6e-8: 8 chips x 32 GiB"),
-    )
-}
-
-
-def find_device(name: str, cpu_devices: int) -> Device:
-    """A known device by name; ``cpu`` is this machine's memory split over ``runtime.num_cpu_devices``."""
-    if name == "cpu":
-        return Device("cpu", cpu_devices, _host_memory() // cpu_devices, f"CPU backend: {cpu_devices} devices")
-    if name not in DEVICES:
-        known = ", ".join([*DEVICES, "cpu"])
-        raise UserError(f"--device: unknown device {name!r}; known devices: {known}")
-    return DEVICES[name]
-
-
-def _host_memory() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            return int(f.readline().split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return 16 * GiB
-
-
-# ----------------------------------------------------------------------------- the model's shape
-
-
-@dataclass(frozen=True)
-class Shape:
-    """What the planner needs of a decoder-only (Llama-family) architecture."""
-
-    hidden: int
-    intermediate: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    tied: bool
-    attention_bias: bool = False
-    mlp_bias: bool = False
-
-
-def shape_of(config: Any) -> Shape:
-    """The planner's view of a transformers config (Llama, Mistral, Qwen2 and others of that layout)."""
-    missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers") if not hasattr(config, k)]
-    if missing:
-        kind = getattr(config, "model_type", type(config).__name__)
-        raise UserError(
-            f"model.name_or_path: a {kind} config has no {', '.join(missing)}; the planner needs a Llama-like model"
-        )
-    heads = config.num_attention_heads
-    return Shape(
-        hidden=config.hidden_size,
-        intermediate=config.intermediate_size,
-        layers=config.num_hidden_layers,
-        heads=heads,
-        kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
-        vocab=config.vocab_size,
-        tied=bool(getattr(config, "tie_word_embeddings", False)),
-        attention_bias=bool(getattr(config, "attention_bias", False)),
-        mlp_bias=bool(getattr(config, "mlp_bias", False)),
-    )
-
-
-def linears(s: Shape) -> dict[str, tuple[int, int]]:
-    """(out, in) of each projection of one decoder layer."""
-    q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
-    return {
-        "q_proj": (q, s.hidden),
-        "k_proj": (kv, s.hidden),
-        "v_proj": (kv, s.hidden),
-        "o_proj": (s.hidden, q),
-        "gate_proj": (s.intermediate, s.hidden),
-        "up_proj": (s.intermediate, s.hidden),
-        "down_proj": (s.hidden, s.intermediate),
-    }
-
-
-# ----------------------------------------------------------------------------- what the plan varies
-
-
-@dataclass(frozen=True)
-class Setting:
-    """The recipe fields that memory depends on, on one device count."""
-
-    lora: bool
-    rank: int
-    targets: tuple[str, ...]
-    lora_dropout: float
-    dtype: str
-    strategy: str
-    checkpointing: bool
-    global_batch: int
-    accumulation: int
-    length: int
-    optimizer: str
-    fused_head: bool
-    devices: int
-    quantize: str = "none"  # the frozen base's decoder linears: none, int8 or int4 (LoRA only)
-    group_size: int = 64  # int4: inputs sharing one scale
-    quantize_lm_head: bool = False
-
-    @property
-    def bits(self) -> int:
-        """Bits per quantized weight (0: not quantized)."""
-        return QUANT_BITS.get(self.quantize, 0)
-
-    @property
-    def sequences(self) -> int:
-        """Sequences each device holds in one forward pass (micro-batch / devices)."""
-        return self.global_batch // self.accumulation // self.devices
-
-    @property
-    def live_sequences(self) -> int:
-        """Sequences whose activations can be live at once on a device (see MICRO_BATCHES_OVERLAP)."""
-        return self.sequences * (self.accumulation if MICRO_BATCHES_OVERLAP else 1)
-
-    @property
-    def tokens(self) -> int:
-        """Tokens per device whose activations can be live at once."""
-        return self.live_sequences * self.length
-
-
-# The trainer traces every micro-batch of an optimizer step into one XLA program, and the
-# compiler runs their forward passes before their backward passes: measured, accumulating 2
-# micro-batches of 8 sequences needs what one of 16 does. Accumulation saves activation memory
-# only once the trainer cuts the graph after each micro-batch's backward pass.
-MICRO_BATCHES_OVERLAP = True
-
-
-def setting_of(recipe: Recipe, devices: int) -> Setting:
-    """The memory-relevant part of a recipe, on ``devices`` XLA devices."""
-    t, lora = recipe.train, recipe.lora
-    targets = ALL_LINEAR if lora.target_modules == "all-linear" else tuple(lora.target_modules)
-    setting = Setting(
-        lora=lora.enabled,
-        rank=lora.r,
-        targets=targets,
-        lora_dropout=lora.dropout,
-        dtype=recipe.model.dtype,
-        strategy=recipe.sharding.strategy,
-        checkpointing=recipe.sharding.activation_checkpointing,
-        global_batch=t.global_batch_size,
-        accumulation=t.gradient_accumulation_steps,
-        length=recipe.data.max_length,
-        optimizer=t.optimizer,
-        fused_head=getattr(t, "fused_lm_head", False),
-        devices=devices,
-        quantize=getattr(recipe.model, "quantize", "none"),
-        group_size=getattr(recipe.model, "quantize_group_size", 64),
-        quantize_lm_head=getattr(recipe.model, "quantize_lm_head", False),
-    )
-    micro = t.global_batch_size // t.gradient_accumulation_steps
-    if micro % devices or t.global_batch_size % t.gradient_accumulation_steps:
-        raise UserError(
-            f"train.global_batch_size: {t.global_batch_size} / {t.gradient_accumulation_steps} accumulation steps "
-            f"does not split over {devices} devices; use a multiple of {devices * t.gradient_accumulation_steps}"
-        )
-    unknown = [name for name in targets if name not in ALL_LINEAR]
-    if lora.enabled and unknown:
-        raise UserError(f"lora.target_modules: the planner knows {', '.join(ALL_LINEAR)}; not {', '.join(unknown)}")
-    return setting
 
 
 # ----------------------------------------------------------------------------- parameters and persistent state
@@ -487,29 +293,3 @@ def plan_setting(s: Shape, st: Setting, layout: str, capacity: int) -> Plan:
         margin=margin_for(peak),
         capacity=capacity,
     )
-
-
-# ----------------------------------------------------------------------------- the architecture, offline
-
-
-def require_config(recipe: Recipe) -> Any:
-    """The model's architecture, offline: a local or shipped config.json (read as JSON, nothing heavy
-    imported), else transformers' cache. A UserError says how to supply it when there is none."""
-    from lowmem_tpu.modeling import CONFIGS, resolve_source, shipped_config_path
-
-    source = resolve_source(recipe.model.name_or_path)
-    local = Path(source).expanduser() / "config.json"
-    path = local if local.is_file() else shipped_config_path(source)
-    if path is not None:
-        return SimpleNamespace(**json.loads(path.read_text()))
-    from lowmem_tpu.modeling import load_config
-
-    config = load_config(recipe.model, offline=True)
-    if config is None:
-        name = recipe.model.name_or_path
-        raise UserError(
-            f"model.name_or_path: the architecture of {name!r} is not available offline (nothing is downloaded). "
-            f"Give a local directory that holds its config.json (model.name_or_path=/path/to/dir), or save its "
-            f"config.json as {CONFIGS / (name.replace('/', '__') + '.json')}"
-        )
-    return config

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lowmem_tpu.card import model_card
 from lowmem_tpu.errors import UserError
-from lowmem_tpu.export import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from lowmem_tpu.publish.card import model_card
+from lowmem_tpu.publish.export import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
 README = "README.md"
 ADAPTER_FILES = {ADAPTER_CONFIG, ADAPTER_WEIGHTS, "adapter_model.bin"}
@@ -51,7 +51,7 @@ def directory_kind(directory: Path) -> str:
     if not directory.is_dir():
         raise UserError(f"{directory}: no such directory; give output_dir/final or a merged model directory")
     if (directory / ADAPTER_CONFIG).is_file() or (directory / ADAPTER_WEIGHTS).is_file():
-        from lowmem_tpu.merge import read_adapter_config
+        from lowmem_tpu.publish.merge import read_adapter_config
 
         read_adapter_config(directory)  # both files there, and a LoRA config
         return "adapter"
@@ -275,7 +275,7 @@ def push(
         user = _check_account(api, repo_id)
         print(f"pushing to {repo_id} as {user}", flush=True)
         _ensure_repo(api, repo_id, private, create)
-        from lowmem_tpu.merge import verify_loads
+        from lowmem_tpu.publish.merge import verify_loads
 
         print(verify_loads(directory, kind), flush=True)
         created = _ensure_branch(api, repo_id, revision)

@@ -16,8 +16,6 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,22 +23,12 @@ from typing import Any
 import yaml
 
 from lowmem_tpu.errors import UserError
-from lowmem_tpu.export import ADAPTER_CONFIG, ADAPTER_WEIGHTS, publish, write_json
+from lowmem_tpu.files import fresh_partial, publish, write_json
+from lowmem_tpu.publish.export import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from lowmem_tpu.publish.verify import TOLERANCE, compare, logits, prompt_ids
 
 MERGE_REPORT = "merge.json"
 PROVENANCE = ("recipe.yaml", "metrics.json")  # copied beside the merged weights
-PROMPTS = (
-    "The capital of France is",
-    "def fibonacci(n):\n    return",
-    "reverse abcde",
-    "Once upon a time, in a small village,",
-)
-# max |merged - (base + adapter)| over every logit, divided by max |base + adapter|, both computed in
-# float32 (see float32_compute). In float32 the two differ only by summation order (measured ~1e-6). In
-# bfloat16 the merged weight W + BA is rounded to 8 mantissa bits while the reference keeps BA apart:
-# measured 3e-3 (test adapter) and 1.6e-2 (the demo's adapter, whose BA is large next to a random W);
-# dropping the adapter altogether moves the logits by 0.5-1.2, far outside the tolerance.
-TOLERANCE = {"float32": 1e-4, "bfloat16": 5e-2}
 LORA_PREFIX = "base_model.model."
 LORA_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
 
@@ -102,7 +90,7 @@ def read_recipe_data(directory: Path) -> dict[str, Any]:
 
 
 def _same_source(a: str, b: str) -> bool:
-    from lowmem_tpu.modeling import resolve_source
+    from lowmem_tpu.model import resolve_source
 
     pa, pb = Path(resolve_source(a)).expanduser(), Path(resolve_source(b)).expanduser()
     if pa.exists() or pb.exists():
@@ -141,7 +129,7 @@ def choose_base(
 
 
 def _looks_missing_path(source: str) -> bool:
-    from lowmem_tpu.recipe import looks_local
+    from lowmem_tpu.config.assets import looks_local
 
     return looks_local(source) and not Path(source).expanduser().exists()
 
@@ -167,7 +155,7 @@ def check_adapter_tensors(adapter_dir: Path, base_config: Any) -> None:
     import torch
     from safetensors.torch import load_file
 
-    from lowmem_tpu.modeling import meta_model
+    from lowmem_tpu.model import meta_model
 
     tensors = load_file(str(adapter_dir / ADAPTER_WEIGHTS))
     bad = [key for key, t in tensors.items() if t.is_floating_point() and not torch.isfinite(t).all()]
@@ -206,7 +194,7 @@ def _module_name(key: str) -> str:
 def _load_base_config(choice: BaseChoice) -> Any:
     from transformers import AutoConfig
 
-    from lowmem_tpu.modeling import resolve_source
+    from lowmem_tpu.model import resolve_source
 
     try:
         return AutoConfig.from_pretrained(resolve_source(choice.source), revision=choice.revision)
@@ -214,22 +202,29 @@ def _load_base_config(choice: BaseChoice) -> Any:
         raise UserError(f"cannot load the config of the base {choice.source!r}: {err}") from None
 
 
-def _load_causal_lm(source: str, revision: str | None, dtype: Any) -> Any:
+def _load_causal_lm(source: str, revision: str | None, dtype: str | None) -> Any:
+    """The model at ``source`` on the CPU, built as training builds its base (``dtype`` None: its own)."""
     from safetensors import SafetensorError
-    from transformers import AutoModelForCausalLM
 
-    from lowmem_tpu.modeling import resolve_source
+    from lowmem_tpu.config import ModelSection
+    from lowmem_tpu.model import build_base_model, load_config
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(resolve_source(source), revision=revision, dtype=dtype)
+        section = ModelSection(name_or_path=source, revision=revision, dtype=dtype or "float32")
+        if dtype is None:
+            own = getattr(load_config(section), "dtype", None)
+            section = section.model_copy(update={"dtype": "float32" if str(own).endswith("float32") else "bfloat16"})
+        model = build_base_model(section)
+    except UserError as err:
+        raise UserError(f"cannot load the model {source!r}: {err}") from None
     except (OSError, ValueError, RuntimeError, SafetensorError) as err:
         raise UserError(f"cannot load the model {source!r}: {type(err).__name__}: {err}") from None
     return model.eval()
 
 
 def _tokenizer(adapter_dir: Path, choice: BaseChoice) -> Any:
-    from lowmem_tpu.modeling import load_tokenizer
-    from lowmem_tpu.recipe import ModelSection
+    from lowmem_tpu.config import ModelSection
+    from lowmem_tpu.model import load_tokenizer
 
     model = read_recipe_data(adapter_dir).get("model", {})
     own = (adapter_dir / "tokenizer_config.json").is_file()
@@ -241,84 +236,6 @@ def _tokenizer(adapter_dir: Path, choice: BaseChoice) -> Any:
         pad_token=model.get("pad_token"),
     )
     return load_tokenizer(section)
-
-
-def prompt_ids(tokenizer: Any) -> list[Any]:
-    """Token ids of the fixed check prompts (each one row, no padding)."""
-    rows = [tokenizer(text, return_tensors="pt")["input_ids"] for text in PROMPTS]
-    return [row for row in rows if row.shape[1] > 0]
-
-
-def logits(model: Any, rows: list[Any]) -> list[Any]:
-    """Logits of each prompt row, computed in float32 whatever the weights' dtype."""
-    import torch
-
-    with torch.no_grad(), float32_compute(model):
-        return [model(input_ids=row).logits.float() for row in rows]
-
-
-@contextmanager
-def float32_compute(model: Any) -> Iterator[None]:
-    """Run ``model`` in float32 without a float32 copy of it.
-
-    Each module's own parameters are upcast just before it runs, and their original tensors put
-    back right after, so one module at a time is held in float32 and weights that ``from_pretrained``
-    left memory-mapped stay so. Two bf16 models compared this way differ by their weights, not by
-    bf16 arithmetic noise.
-    """
-    import torch
-
-    originals: dict[Any, Any] = {}
-
-    def cast(value: Any) -> Any:
-        return value.float() if torch.is_tensor(value) and value.is_floating_point() else value
-
-    def up(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        for p in module.parameters(recurse=False):
-            originals[p] = p.data
-            p.data = p.data.float()
-        return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
-
-    def down(module: Any, args: tuple, output: Any) -> None:
-        for p in module.parameters(recurse=False):
-            p.data = originals.pop(p)
-
-    owners = [m for m in model.modules() if next(m.parameters(recurse=False), None) is not None]
-    handles = [m.register_forward_pre_hook(up, with_kwargs=True) for m in owners]
-    handles += [m.register_forward_hook(down) for m in owners]
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
-def compare(reference: list[Any], merged: list[Any], dtype: str) -> dict[str, Any]:
-    """The equivalence figure: max |merged - reference| / max |reference| over every logit, and top-1 agreement."""
-    diff = max(float((m - r).abs().max()) for r, m in zip(reference, merged, strict=True))
-    scale = max(float(r.abs().max()) for r in reference)
-    same = sum(int((m.argmax(-1) == r.argmax(-1)).sum()) for r, m in zip(reference, merged, strict=True))
-    tokens = sum(r.shape[1] for r in reference)
-    relative = diff / max(scale, 1e-12)
-    return {
-        "metric": "max |merged - (base + adapter)| / max |base + adapter| over the logits of every prompt token, "
-        "computed in float32",
-        "prompts": list(PROMPTS),
-        "tokens": tokens,
-        "max_abs_diff": diff,
-        "max_abs_logit": scale,
-        "relative_diff": relative,
-        "tolerance": TOLERANCE[dtype],
-        "top1_agreement": same / tokens,
-        "passed": relative <= TOLERANCE[dtype],
-    }
-
-
-def _partial_dir(out: Path) -> Path:
-    partial = out.parent / f".{out.name}.merge-partial"
-    if partial.exists():
-        shutil.rmtree(partial)
-    return partial
 
 
 def merge_adapter(
@@ -349,7 +266,7 @@ def merge_adapter(
 
     check_adapter_tensors(adapter_dir, _load_base_config(choice))
     out.parent.mkdir(parents=True, exist_ok=True)
-    partial = _partial_dir(out)
+    partial = fresh_partial(out.parent / f".{out.name}", ".merge-partial")
     try:
         say(f"loading base {choice.source} ({dtype}) on the CPU")
         tokenizer = _tokenizer(adapter_dir, choice)
@@ -357,7 +274,7 @@ def merge_adapter(
         reference = _merge_into(adapter_dir, choice, dtype, rows, partial, max_shard_size)
         gc.collect()  # model objects hold reference cycles: free the merged copy before loading the written one
         say("reloading the merged model from disk to check it")
-        check = compare(reference, logits(_load_causal_lm(str(partial), None, _dtype(dtype)), rows), dtype)
+        check = compare(reference, logits(_load_causal_lm(str(partial), None, dtype), rows), dtype)
         gc.collect()
         if not check["passed"]:
             raise UserError(
@@ -383,17 +300,11 @@ def merge_adapter(
 def _cpu_only() -> None:
     """Merging and load checks run on the host CPU. transformers imports torch_xla: in a process of
     its own, keep it off the TPU (in a training process the runtime has already chosen)."""
-    from lowmem_tpu.runtime import quiet_python_warnings
+    from lowmem_tpu.console import quiet_python_warnings
 
     os.environ.setdefault("PJRT_DEVICE", "CPU")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     quiet_python_warnings()
-
-
-def _dtype(name: str) -> Any:
-    from lowmem_tpu.modeling import torch_dtype
-
-    return torch_dtype(name)
 
 
 def _merge_into(
@@ -405,7 +316,7 @@ def _merge_into(
     """
     from peft import PeftModel
 
-    model = PeftModel.from_pretrained(_load_causal_lm(choice.source, choice.revision, _dtype(dtype)), str(adapter_dir))
+    model = PeftModel.from_pretrained(_load_causal_lm(choice.source, choice.revision, dtype), str(adapter_dir))
     model.eval()
     reference = logits(model, rows)
     try:
@@ -453,12 +364,12 @@ def verify_loads(directory: Path, kind: str) -> str:
         from peft import PeftModel
 
         try:
-            model = PeftModel.from_pretrained(_load_causal_lm(choice.source, choice.revision, "auto"), str(directory))
+            model = PeftModel.from_pretrained(_load_causal_lm(choice.source, choice.revision, None), str(directory))
         except (RuntimeError, ValueError) as err:
             raise UserError(f"{directory} does not load onto {choice.source}: {err}") from None
         what = f"the adapter loads onto {choice.source}"
     else:
-        model = _load_causal_lm(str(directory), None, "auto")
+        model = _load_causal_lm(str(directory), None, None)
         what = f"{directory} loads with AutoModelForCausalLM"
     vocab = model.get_input_embeddings().weight.shape[0]
     out = logits(model.eval(), [torch.arange(min(8, vocab)).unsqueeze(0)])[0]

@@ -13,7 +13,6 @@ per-step ``.item()`` calls would cut every step's graph in two and sync the host
 
 from __future__ import annotations
 
-import math
 import shutil
 import time
 from pathlib import Path
@@ -23,12 +22,13 @@ import torch
 from transformers import TrainerCallback
 from trl import SFTConfig, SFTTrainer
 
-from lowmem_tpu import checkpoint as ckpt
-from lowmem_tpu import runtime as rt
+from lowmem_tpu.config import Recipe
 from lowmem_tpu.data import collate
 from lowmem_tpu.errors import NonFiniteError
-from lowmem_tpu.recipe import Recipe
-from lowmem_tpu.sharding import shard_like, wrap_model
+from lowmem_tpu.model.names import ParamNames
+from lowmem_tpu.train import checkpoint as ckpt
+from lowmem_tpu.xla import runtime as rt
+from lowmem_tpu.xla.sharding import shard_like, wrap_model
 
 OPTIMIZERS = {"adamw": "adamw_torch", "adafactor": "adafactor"}
 
@@ -70,8 +70,35 @@ def training_args(recipe: Recipe, micro_batch: int) -> SFTConfig:
     )
 
 
+def build_trainer(
+    recipe: Recipe,
+    runtime: rt.Runtime,
+    model: torch.nn.Module,
+    train_dataset: Any,
+    tokenizer: Any,
+    micro_batch: int,
+    callbacks: list[TrainerCallback],
+    *,
+    eval_dataset: Any = None,
+    flops_per_token: float | None = None,
+) -> XlaSFTTrainer:
+    """The trainer of a run (and of the memory measurement), on a model already placed on the devices."""
+    return XlaSFTTrainer(
+        recipe=recipe,
+        runtime=runtime,
+        names=ParamNames(model),
+        flops_per_token=flops_per_token,
+        model=model,
+        args=training_args(recipe, micro_batch),
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
+        processing_class=tokenizer,
+        callbacks=callbacks,
+    )
+
+
 class XlaSFTTrainer(SFTTrainer):
-    """SFTTrainer whose model is wrapped by :func:`lowmem_tpu.sharding.wrap_model`."""
+    """SFTTrainer whose model is wrapped by :func:`lowmem_tpu.xla.sharding.wrap_model`."""
 
     def __init__(
         self,
@@ -84,7 +111,7 @@ class XlaSFTTrainer(SFTTrainer):
     ):
         self.recipe = recipe
         self.runtime = runtime
-        self.names = names  # export.ParamNames: clean names of the parameters, taken before wrapping
+        self.names = names  # ParamNames: clean names of the parameters, taken before wrapping
         self.flops_per_token = flops_per_token
         self._fsdp_model: torch.nn.Module | None = None
         self._totals: dict[str, torch.Tensor] = {}
@@ -190,7 +217,7 @@ class XlaSFTTrainer(SFTTrainer):
         return out
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        raise RuntimeError("trap 5: use lowmem_tpu.export to save, trainer.save_model loses the LoRA adapter")
+        raise RuntimeError("trap 5: use lowmem_tpu.publish.export to save, trainer.save_model loses the LoRA adapter")
 
     # Checkpoints: our own format (clean names, sharded optimizer state), the Trainer's RNG and state files.
     def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
@@ -234,103 +261,3 @@ class XlaSFTTrainer(SFTTrainer):
                         shard_like(value, param, self.runtime, self.recipe.sharding.strategy)
         self.lr_scheduler.load_state_dict(torch.load(path / ckpt.SCHEDULER, weights_only=True))
         rt.sync()
-
-
-class GuardCallback(TrainerCallback):
-    """Stops on SIGTERM or before ``train.max_wall_time`` (saving first), and on non-finite losses."""
-
-    def __init__(self, max_wall_seconds: float | None, spike_factor: float, warn: Any, skip_nonfinite: bool = False):
-        self.deadline = time.monotonic() + max_wall_seconds if max_wall_seconds else None
-        self.spike_factor = spike_factor
-        self.warn = warn
-        self.skip_nonfinite = skip_nonfinite
-        self.skipped_steps: list[int] = []
-        self.stop_reason: str | None = None
-        self.losses: list[float] = []
-        self.last_step_end = time.monotonic()
-        self.slowest = 0.0
-
-    def request_stop(self, signum: int, frame: Any) -> None:
-        """Signal handler: only sets a flag; the save happens at the next step boundary."""
-        self.stop_reason = "SIGTERM"
-
-    def on_step_end(self, args, state, control, **kwargs) -> None:
-        now = time.monotonic()
-        self.slowest = max(self.slowest * 0.9, now - self.last_step_end)
-        self.last_step_end = now
-        # Leave room for a few more steps and a checkpoint before the deadline.
-        if self.deadline and self.stop_reason is None and now + 3 * self.slowest + 30 > self.deadline:
-            self.stop_reason = "max_wall_time"
-        if self.stop_reason:
-            control.should_save = True
-            control.should_training_stop = True
-
-    def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs) -> None:
-        """In skip mode, drop every gradient of a step whose gradients are not all finite.
-
-        Parameters without a gradient are left alone by the optimizer (no moment or decay update),
-        so the step is skipped exactly. The check costs one host sync per step.
-        """
-        if not self.skip_nonfinite or optimizer is None:
-            return
-        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        if not params or torch.stack([torch.isfinite(p.grad).all() for p in params]).all().item():
-            return
-        for param in params:
-            param.grad = None
-        self.skipped_steps.append(state.global_step + 1)
-        self.warn(f"warning: step {state.global_step + 1}: non-finite gradients, update skipped")
-
-    def on_log(self, args, state, control, logs=None, **kwargs) -> None:
-        logs = logs or {}
-        for key in ("loss", "grad_norm"):
-            value = logs.get(key)
-            if value is not None and not math.isfinite(value) and not self.skip_nonfinite:
-                raise NonFiniteError(f"step {state.global_step}: {key} is {value}; stopped, no checkpoint written")
-        loss = logs.get("loss")
-        if loss is None or not math.isfinite(loss):
-            return
-        if self.spike_factor and len(self.losses) >= 3 and state.global_step > args.warmup_steps:
-            mean = sum(self.losses[-20:]) / len(self.losses[-20:])
-            if loss > self.spike_factor * mean:
-                self.warn(f"warning: loss spike at step {state.global_step}: {loss:.4f} vs running mean {mean:.4f}")
-        self.losses.append(loss)
-
-
-class MetricsCallback(TrainerCallback):
-    """Collects the log history and this run's XLA compile count after every step.
-
-    Counts start when the callback is made, so several runs in one process each count their own.
-    """
-
-    def __init__(self) -> None:
-        self.compiles_at_start, self.compile_seconds_at_start = rt.compile_count(), rt.compile_seconds()
-        self.compiles_by_step: dict[int, int] = {}
-        self.logs: list[dict[str, float]] = []
-        self.first_log_step: int | None = None
-        self.first_eval_step: int | None = None
-        self.training = False
-
-    def on_train_begin(self, args, state, control, **kwargs) -> None:
-        self.training = True
-
-    def on_train_end(self, args, state, control, **kwargs) -> None:
-        self.training = False
-
-    def on_step_end(self, args, state, control, **kwargs) -> None:
-        self.compiles_by_step[state.global_step] = rt.compile_count() - self.compiles_at_start
-
-    def on_log(self, args, state, control, logs=None, **kwargs) -> None:
-        entry = {"step": state.global_step, **(logs or {})}
-        self.logs.append(entry)
-        if not self.training:
-            return
-        if any(k.startswith("eval_") for k in entry):
-            self.first_eval_step = state.global_step if self.first_eval_step is None else self.first_eval_step
-        elif "loss" in entry:
-            self.first_log_step = state.global_step if self.first_log_step is None else self.first_log_step
-
-    def warmup_end(self, max_steps: int) -> int:
-        """Warm-up lasts until the step after the first log and the first evaluation."""
-        marks = [3] + [s + 1 for s in (self.first_log_step, self.first_eval_step) if s is not None]
-        return min(max(marks), max_steps)

@@ -13,21 +13,20 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from lowmem_tpu import measure, memory
-from lowmem_tpu.memory_report import plan_json
-from lowmem_tpu.recipe import Recipe, tpu_present
+from lowmem_tpu.config import Recipe
+from lowmem_tpu.config.platform import on_tpu
+from lowmem_tpu.memory import measure
+from lowmem_tpu.memory.advise import plan_json
+from lowmem_tpu.memory.plan import Plan, plan_setting
+from lowmem_tpu.memory.shape import require_config, setting_of, shape_of
 
 SEGMENTS = ("weights", "optimizer", "gradients", "step temporaries")
 COLORS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52")
 
 
-def _on_tpu(recipe: Recipe) -> bool:
-    return recipe.runtime.device == "tpu" or (recipe.runtime.device == "auto" and tpu_present())
-
-
 def _measured(recipe: Recipe, steps: int) -> dict[str, Any]:
     """One mode measured: its per-device segments, peak, and where the figures came from."""
-    if _on_tpu(recipe):
+    if on_tpu(recipe.runtime.device):
         run = measure.run_steps(recipe, steps)
         peak, state = run.peak_bytes, run.state
         extra = {"source": f"{run.device_kind} runtime: peak of xm.get_memory_info after {steps} real steps"}
@@ -50,7 +49,7 @@ def _measured(recipe: Recipe, steps: int) -> dict[str, Any]:
     return {"peak": peak, "segments": segments, "state": asdict(state)} | extra
 
 
-def _planned(plan: memory.Plan) -> dict[str, Any]:
+def _planned(plan: Plan) -> dict[str, Any]:
     temporaries = plan.peak - plan.weights - plan.optimizer - plan.gradients
     values = (plan.weights, plan.optimizer, plan.gradients, temporaries)
     return {"peak": plan.peak, "segments": dict(zip(SEGMENTS, values, strict=True)), "plan": plan_json(plan)}
@@ -58,17 +57,17 @@ def _planned(plan: memory.Plan) -> dict[str, Any]:
 
 def compare_recipe(recipe: Recipe, steps: int, out: Path) -> dict[str, Any]:
     """Plan and measure the recipe as LoRA and as full fine-tuning; write compare.json and compare.png."""
-    config = memory.require_config(recipe)
-    shape = memory.shape_of(config)
+    config = require_config(recipe)
+    shape = shape_of(config)
     modes: dict[str, Any] = {}
     for name, enabled in (("lora", True), ("full", False)):
         # Full fine-tuning trains the base itself: a quantized (QLoRA) recipe's twin is unquantized.
         unquantized = [] if enabled else ["model.quantize=none"]
         variant = measure.load_recipe_text(recipe, [f"lora.enabled={str(enabled).lower()}", *unquantized])
         measured = _measured(variant, steps)
-        layout = "tpu" if _on_tpu(variant) else "cpu"
-        setting = memory.setting_of(variant, measured["devices"])
-        plan = memory.plan_setting(shape, setting, layout, 0)
+        layout = "tpu" if on_tpu(variant.runtime.device) else "cpu"
+        setting = setting_of(variant, measured["devices"])
+        plan = plan_setting(shape, setting, layout, 0)
         modes[name] = {"planned": _planned(plan), "measured": measured, "layout": layout}
     result = {"model": recipe.model.name_or_path, "dtype": recipe.model.dtype, "modes": modes}
     result["quantize"] = recipe.model.quantize if recipe.lora.enabled else "none"

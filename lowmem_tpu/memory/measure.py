@@ -27,79 +27,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from lowmem_tpu.config import Recipe, load_recipe
 from lowmem_tpu.errors import UserError
-from lowmem_tpu.recipe import Recipe, load_recipe
-
-# Without the last flag the CPU backend keeps every layer's gathered weights live at once
-# (see XLA_NOTES.md), so FSDP and checkpointing would seem to save little.
-DUMP_FLAGS = "--xla_dump_to={dir} --xla_dump_hlo_pass_re=NONE --xla_cpu_enable_concurrency_optimized_scheduler=false"
-_TOTAL = re.compile(r"^Total bytes used: (\d+)", re.M)
-_PEAK = re.compile(r"Stack trace breakdown for peak usage: ([\d ]+) bytes")
-_ALLOCATION = re.compile(r"^allocation \d+: size (\d+)(.*)$", re.M)
-_LIVE = re.compile(r"^\s+(\S+?)\{[^}]*\}: (\d+) bytes", re.M)
-
-
-@dataclass(frozen=True)
-class CompilerFigures:
-    """One device's partition of a compiled program, from XLA's buffer assignment."""
-
-    total_bytes: int  # every allocation: entry parameters + outputs + the temporary arena
-    peak_live_bytes: int  # the most bytes live at one point of the schedule
-    parameter_bytes: int  # entry parameters (weights, optimizer state, the batch)
-    temp_bytes: int  # the preallocated temporary arena
-    output_bytes: int  # outputs that do not reuse a parameter's buffer
-    module: str  # dump file name of the program
-
-
-def parse_buffer_assignment(path: Path) -> CompilerFigures:
-    """Figures of one ``*buffer-assignment.txt`` that XLA wrote with ``--xla_dump_to``."""
-    text = path.read_text()
-    total = _TOTAL.search(text)
-    if total is None:
-        raise ValueError(f"{path}: no 'Total bytes used' line")
-    peak = _PEAK.search(text)
-    parameter = temp = output = 0
-    for size, rest in _ALLOCATION.findall(text):
-        if " parameter " in rest:
-            parameter += int(size)
-        elif "preallocated-temp" in rest:
-            temp += int(size)
-        elif "live-out" in rest:
-            output += int(size)
-    return CompilerFigures(
-        total_bytes=int(total.group(1)),
-        peak_live_bytes=int(peak.group(1).replace(" ", "")) if peak else 0,
-        parameter_bytes=parameter,
-        temp_bytes=temp,
-        output_bytes=output,
-        module=path.name.split(".cpu_after")[0],
-    )
-
-
-def live_at_peak(buffer_assignment: Path) -> list[tuple[str, str, int]]:
-    """(instruction, shape, bytes) of every buffer live at the program's peak, largest first.
-
-    The shapes come from the optimized HLO dumped beside the buffer assignment.
-    """
-    text = buffer_assignment.read_text()
-    start = text.find("(peak):")
-    if start < 0:
-        return []
-    section = text[start : text.find("Stack trace breakdown", start)]
-    hlo_path = Path(str(buffer_assignment).replace("-buffer-assignment.txt", ".txt"))
-    hlo = hlo_path.read_text() if hlo_path.exists() else ""
-    shapes = {m.group(1): m.group(2) for m in re.finditer(r"%(\S+) = (\S+?)\{", hlo)}
-    live = [(name, shapes.get(name, "?"), int(size)) for name, size in _LIVE.findall(section)]
-    return sorted(live, key=lambda item: -item[2])
-
-
-def largest_program(paths: list[Path]) -> CompilerFigures:
-    """The program that uses the most memory among dumped buffer assignments (the training step)."""
-    figures = [parse_buffer_assignment(p) for p in paths]
-    if not figures:
-        raise UserError("the compiler wrote no buffer assignment: was XLA_FLAGS set before torch_xla started?")
-    return max(figures, key=lambda f: f.total_bytes)
-
+from lowmem_tpu.memory.compiler import DUMP_FLAGS, CompilerFigures, largest_program
 
 # ----------------------------------------------------------------------------- shard sizes
 
@@ -121,7 +51,7 @@ def shard_numel(shape: tuple[int, ...], spec: str) -> int:
 
 def device_bytes(tensors: list[Any]) -> int:
     """Bytes one device holds of these XLA tensors, read from their shardings."""
-    from lowmem_tpu.runtime import sharding_spec
+    from lowmem_tpu.xla.device import sharding_spec
 
     seen: set[int] = set()
     total = 0
@@ -146,7 +76,7 @@ class PersistentState:
 
 def persistent_state(model: Any, optimizer: Any) -> PersistentState:
     """Weights and optimizer state as the devices hold them; gradients as the trainable weights."""
-    from lowmem_tpu.quantize import logical_parameters
+    from lowmem_tpu.model.quantize import logical_parameters
 
     params = list({id(p): p for p in model.parameters()}.values())
     trainable = [p for p in params if p.requires_grad]
@@ -175,24 +105,13 @@ def build_sharded_model(recipe: Recipe, runtime: Any) -> Any:
     differ, which memory does not depend on.
     """
     import torch
-    from transformers import AutoModelForCausalLM
 
-    from lowmem_tpu import modeling
-    from lowmem_tpu.memory import require_config
-    from lowmem_tpu.sharding import place_parameters
+    from lowmem_tpu.memory.shape import require_config
+    from lowmem_tpu.model import apply_lora, load_config, meta_model
+    from lowmem_tpu.xla.sharding import place_parameters
 
-    config = modeling.load_config(recipe.model, offline=True) or require_config(recipe)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(
-            config, dtype=modeling.torch_dtype(recipe.model.dtype), attn_implementation=recipe.model.attn_implementation
-        )
-    model.config.use_cache = False
-    if recipe.model.quantize != "none":
-        from lowmem_tpu.quantize import BITS, swap_linears
-
-        bits, dtype = BITS[recipe.model.quantize], modeling.torch_dtype(recipe.model.dtype)
-        swap_linears(model, bits, recipe.model.quantize_group_size, recipe.model.quantize_lm_head, dtype)
-    model = modeling.apply_lora(model, recipe)
+    config = load_config(recipe.model, offline=True) or require_config(recipe)
+    model = apply_lora(meta_model(config, recipe.model), recipe)
     for module in model.modules():
         own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
         if not any(t.is_meta for t in own):
@@ -224,13 +143,13 @@ def synthetic_dataset(recipe: Recipe, vocab_size: int, rows: int) -> Any:
 
 def any_tokenizer(recipe: Recipe) -> Any:
     """The recipe's tokenizer when it is available offline, else the shipped one (only its pad id is used)."""
-    from lowmem_tpu import modeling
-    from lowmem_tpu.recipe import ModelSection
+    from lowmem_tpu.config import ModelSection
+    from lowmem_tpu.model import load_tokenizer
 
     try:
-        return modeling.load_tokenizer(recipe.model)
+        return load_tokenizer(recipe.model)
     except (UserError, OSError, ValueError):
-        return modeling.load_tokenizer(ModelSection(name_or_path="builtin:tiny-llama", random_init=True))
+        return load_tokenizer(ModelSection(name_or_path="builtin:tiny-llama", random_init=True))
 
 
 def _host_peak_rss() -> int:
@@ -242,27 +161,18 @@ def _host_peak_rss() -> int:
 
 def _trainer(recipe: Recipe, runtime: Any, model: Any, micro: int, callback: Any) -> Any:
     """The XlaSFTTrainer ``lowmem-tpu sft`` builds, on synthetic rows of the recipe's shape."""
-    from lowmem_tpu.export import ParamNames
-    from lowmem_tpu.trainer import XlaSFTTrainer, training_args
+    from lowmem_tpu.train.trainer import build_trainer
 
     rows = recipe.train.global_batch_size * (recipe.train.max_steps + 1)
-    return XlaSFTTrainer(
-        recipe=recipe,
-        runtime=runtime,
-        names=ParamNames(model),
-        model=model,
-        args=training_args(recipe, micro),
-        train_dataset=synthetic_dataset(recipe, model.config.vocab_size, rows),
-        processing_class=any_tokenizer(recipe),
-        callbacks=[callback],
-    )
+    dataset = synthetic_dataset(recipe, model.config.vocab_size, rows)
+    return build_trainer(recipe, runtime, model, dataset, any_tokenizer(recipe), micro, [callback])
 
 
 def _hook(kind: str, steps: int, record: dict[str, Any], result: Path) -> Any:
     """The trainer callback of :func:`_child`: times ``run``; compiles, records and exits for ``compile``."""
     from transformers import TrainerCallback
 
-    from lowmem_tpu import runtime as rt
+    from lowmem_tpu.xla import runtime as rt
 
     dump = Path(os.environ.get("LOWMEM_DUMP_DIR", "."))
 
@@ -296,8 +206,8 @@ def _child(kind: str, recipe_path: str, steps: int, result: Path, overrides: lis
     ``compile`` exits as soon as the step is compiled, before it executes (with ``steps=2`` the
     first step runs for real, so that the compiled one holds the optimizer state as inputs).
     """
-    from lowmem_tpu import runtime as rt
-    from lowmem_tpu.sft import micro_batch_size
+    from lowmem_tpu.config import micro_batch_size
+    from lowmem_tpu.xla import runtime as rt
 
     recipe = load_recipe(recipe_path, [*overrides, f"train.max_steps={steps}", "train.eval_steps=null"])
     runtime = rt.setup_runtime(recipe.runtime)
@@ -339,7 +249,7 @@ def _spawn(kind: str, recipe: Recipe, overrides: list[str], steps: int, env: dic
     with tempfile.TemporaryDirectory(prefix="lowmem-measure-") as tmp:
         work = Path(tmp)
         (work / "recipe.yaml").write_text(recipe.to_yaml())
-        command = [sys.executable, "-m", "lowmem_tpu.measure", kind, str(work / "recipe.yaml"), str(steps)]
+        command = [sys.executable, "-m", "lowmem_tpu.memory.measure", kind, str(work / "recipe.yaml"), str(steps)]
         command += [str(work / "result.json"), *overrides, f"output_dir={work / 'out'}"]  # the Trainer writes there
         env = os.environ | {"TF_CPP_MIN_LOG_LEVEL": "2", "HF_HUB_OFFLINE": "1"} | env
         what = "compiling the step" if kind == "compile" else f"running {steps} steps"
@@ -422,7 +332,7 @@ def load_recipe_text(recipe: Recipe, overrides: list[str]) -> Recipe:
     """``recipe`` re-validated with ``overrides`` applied (e.g. another device count)."""
     import yaml
 
-    from lowmem_tpu.recipe import apply_overrides, validate_recipe
+    from lowmem_tpu.config import apply_overrides, validate_recipe
 
     return validate_recipe(apply_overrides(yaml.safe_load(recipe.to_yaml()), overrides))
 

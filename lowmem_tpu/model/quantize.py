@@ -10,26 +10,22 @@ the full-precision weight of one projection exists only while it is used.
   is zero-padded to one, and the padding is sliced off after dequantizing.
 
 Scales are kept in the model's dtype; the integers are rounded against the stored scale,
-so the scale's own rounding adds no error. A checkpoint is quantized while it is read,
-one tensor at a time (``load_quantized``), so the full-precision model never exists in
-memory as a whole.
+so the scale's own rounding adds no error. ``model.loading`` quantizes a checkpoint while it
+is read, one tensor at a time, so the full-precision model never exists in memory as a whole.
 """
 
 from __future__ import annotations
 
-import json
 import math
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lowmem_tpu.config.schema import QUANT_BITS as BITS
 from lowmem_tpu.errors import UserError
 
-BITS = {"int8": 8, "int4": 4}
 QMAX = {8: 127, 4: 7}
 
 
@@ -220,9 +216,6 @@ def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, child, module)
 
 
-# ----------------------------------------------------------------------------- loading a checkpoint
-
-
 def logical_parameters(model: nn.Module) -> int:
     """Parameters of the model as if unquantized (a packed int4 byte holds two weights)."""
     stored = {id(p): p.numel() for p in model.parameters()}
@@ -231,109 +224,3 @@ def logical_parameters(model: nn.Module) -> int:
             stored[id(module.qweight)] = module.in_features * module.out_features
             del stored[id(module.scale)]
     return sum(stored.values())
-
-
-def weight_files(directory: Path) -> list[Path]:
-    """The checkpoint files of a model directory: safetensors first, else PyTorch ``.bin``."""
-    for index_name, single in (
-        ("model.safetensors.index.json", "model.safetensors"),
-        ("pytorch_model.bin.index.json", "pytorch_model.bin"),
-    ):
-        index = directory / index_name
-        if index.is_file():
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-            return [directory / shard for shard in shards]
-        if (directory / single).is_file():
-            return [directory / single]
-    return []
-
-
-def read_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(name, tensor)`` of every tensor in the files, one at a time (memory-mapped reads)."""
-    from safetensors import safe_open
-
-    for path in files:
-        if path.suffix == ".safetensors":
-            with safe_open(str(path), framework="pt") as f:
-                for name in f.keys():  # noqa: SIM118 - safe_open is not iterable
-                    yield name, f.get_tensor(name)
-        else:
-            state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-            for name in list(state):
-                yield name, state.pop(name)
-
-
-def model_directory(source: str, revision: str | None) -> Path:
-    """A local model directory, or the Hub snapshot of its config and weights (downloaded once)."""
-    path = Path(source).expanduser()
-    if path.is_dir():
-        return path
-    from huggingface_hub import list_repo_files, snapshot_download
-
-    try:
-        files = list_repo_files(source, revision=revision)
-        kind = "*.safetensors" if any(f.endswith(".safetensors") for f in files) else "*.bin"
-        return Path(snapshot_download(source, revision=revision, allow_patterns=["*.json", kind]))
-    except Exception as err:  # hub and network errors come in many types; each means "cannot fetch"
-        raise UserError(
-            f"model.name_or_path: cannot fetch the weights of {source!r} ({type(err).__name__}: {err}); "
-            "give a local directory or a reachable Hub id"
-        ) from None
-
-
-@torch.no_grad()
-def load_quantized(
-    source: str, revision: str | None, config: Any, method: str, group_size: int, lm_head: bool, dtype, attn: str
-):
-    """Build the model on ``meta`` and fill it from the checkpoint, quantizing each weight as it is read."""
-    from transformers import AutoModelForCausalLM
-
-    directory = model_directory(source, revision)
-    files = weight_files(directory)
-    if not files:
-        raise UserError(
-            f"model.name_or_path: {directory} holds no model.safetensors or pytorch_model.bin "
-            "(or their .index.json); give the directory of a saved model"
-        )
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
-    swap_linears(model, BITS[method], group_size, lm_head, dtype)
-    expected = {name for name, _ in model.named_parameters()} | set(dict(model.named_buffers()))
-    for name, tensor in read_tensors(files):
-        layer = name.removesuffix(".weight")
-        if name in expected:
-            _assign(model, name, tensor, dtype)
-        elif layer != name and f"{layer}.qweight" in expected:
-            model.get_submodule(layer).load_weight(tensor)
-    if getattr(model.config, "tie_word_embeddings", False):
-        model.tie_weights()
-    _initialize_rest(model)
-    missing = sorted(n for n, p in model.named_parameters() if p.is_meta)
-    if missing:
-        raise UserError(
-            f"model.name_or_path: {directory} lacks weights for {len(missing)} parameters "
-            f"(first: {', '.join(missing[:3])}); is it a checkpoint of this architecture?"
-        )
-    model.config.use_cache = False
-    return model
-
-
-def _assign(model: nn.Module, name: str, tensor: torch.Tensor, dtype: torch.dtype) -> None:
-    module_name, _, leaf = name.rpartition(".")
-    module = model.get_submodule(module_name)
-    value = tensor.to(dtype) if tensor.is_floating_point() else tensor
-    if leaf in module._parameters:
-        module._parameters[leaf] = nn.Parameter(value, requires_grad=False)
-    else:
-        module._buffers[leaf] = value
-
-
-def _initialize_rest(model: nn.Module) -> None:
-    """Non-persistent buffers (rotary frequencies) are not in checkpoints: compute them as transformers does."""
-    for module in model.modules():
-        if any(b.is_meta for b in module.buffers(recurse=False)):
-            params = {n: p for n, p in module.named_parameters(recurse=False)}
-            module.to_empty(device="cpu", recurse=False)
-            for n, p in params.items():
-                module._parameters[n] = p  # keep loaded (or still missing) parameters as they were
-            model._init_weights(module)

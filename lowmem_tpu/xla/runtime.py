@@ -1,20 +1,18 @@
-"""The one place that sets up torch_xla: devices, SPMD, the mesh, the compile cache, counters.
-
-Everything else talks to XLA through this module (and ``sharding``), so that another
-backend can later sit beside it.
-"""
+"""Starting torch_xla: the PJRT environment, SPMD, the mesh, the compile cache, compile counters."""
 
 from __future__ import annotations
 
-import logging
 import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lowmem_tpu.config import RuntimeSection
+from lowmem_tpu.config.platform import platform_for
+from lowmem_tpu.console import quiet_python_warnings
 from lowmem_tpu.errors import UserError
-from lowmem_tpu.recipe import RuntimeSection, tpu_present
+from lowmem_tpu.xla.device import device_kind, peak_flops_per_device
 
 MESH_AXES = ("fsdp", "tensor")
 
@@ -41,7 +39,7 @@ class Runtime:
 
 def configure_environment(cfg: RuntimeSection) -> str:
     """Set the PJRT environment; must run before torch_xla (or transformers) is imported."""
-    platform = "TPU" if cfg.device == "tpu" or (cfg.device == "auto" and tpu_present()) else "CPU"
+    platform = platform_for(cfg.device)
     already = os.environ.get("PJRT_DEVICE")
     if already and already.upper() != platform and _xla_imported():
         raise UserError(f"runtime.device: this process already runs on {already}; start a new process for {platform}")
@@ -59,25 +57,6 @@ def _xla_imported() -> bool:
     import sys
 
     return "torch_xla" in sys.modules
-
-
-def quiet_python_warnings() -> None:
-    """Silence library warnings that say nothing actionable to a user of this tool."""
-    for category in (FutureWarning, DeprecationWarning, UserWarning):
-        warnings.filterwarnings("ignore", category=category)
-    for name in ("transformers", "torch_xla", "accelerate", "datasets", "peft", "trl", "root"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    try:
-        import transformers
-
-        transformers.logging.set_verbosity_error()
-        transformers.logging.disable_progress_bar()
-        import datasets
-
-        datasets.logging.set_verbosity_error()
-        datasets.disable_progress_bars()
-    except ImportError:  # pragma: no cover - both are dependencies
-        pass
 
 
 def setup_runtime(cfg: RuntimeSection) -> Runtime:
@@ -146,36 +125,6 @@ def counter(name: str) -> int:
     return int(value or 0)
 
 
-# Peak dense bf16 FLOP/s of one XLA device (a core on v2/v3, a chip from v4 on), by device_kind prefix.
-PEAK_FLOPS = {
-    "TPU v2": 22.5e12,
-    "TPU v3": 61.5e12,
-    "TPU v4": 275e12,
-    "TPU v5 lite": 197e12,
-    "TPU v5e": 197e12,
-    "TPU v5p": 459e12,
-    "TPU v5": 459e12,
-    "TPU v6 lite": 918e12,
-    "TPU v6e": 918e12,
-}
-
-
-def device_kind() -> str:
-    """What the first device is, e.g. 'TPU v4' or 'cpu'."""
-    import torch_xla.runtime as xr
-
-    attributes = xr.global_runtime_device_attributes()
-    return str(attributes[0].get("device_kind", "unknown")) if attributes else "unknown"
-
-
-def peak_flops_per_device(kind: str) -> float | None:
-    """Peak bf16 FLOP/s of one device of this kind (None off TPU or when unknown)."""
-    for prefix, flops in sorted(PEAK_FLOPS.items(), key=lambda item: -len(item[0])):
-        if kind.startswith(prefix):
-            return flops
-    return None
-
-
 def sync() -> None:
     """Cut the lazy graph here and run it (one training step's worth of work)."""
     import torch_xla
@@ -188,26 +137,6 @@ def wait() -> None:
     import torch_xla.core.xla_model as xm
 
     xm.wait_device_ops()
-
-
-def sharding_spec(tensor: Any) -> str:
-    """The XLA sharding annotation of a device tensor ('' when it has none)."""
-    import torch_xla
-
-    return torch_xla._XLAC._get_xla_sharding_spec(tensor)
-
-
-def memory_info() -> dict[str, int]:
-    """Bytes in use, limit and peak of the first device; {} where none are kept (the CPU backend)."""
-    import torch_xla
-
-    # What xm.get_memory_info reads; under SPMD the virtual device may not resolve to a chip.
-    for name in (str(torch_xla.device()), "TPU:0"):
-        try:
-            return dict(torch_xla._XLAC._xla_memory_info(name))
-        except RuntimeError:
-            continue
-    return {}
 
 
 def compile_seconds() -> float:

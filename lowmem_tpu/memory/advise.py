@@ -1,6 +1,6 @@
 """``lowmem-tpu memory``: a recipe's plan on one device, its twin's, and what to turn on next.
 
-The arithmetic is in :mod:`lowmem_tpu.memory`; this module chains techniques until a plan
+The arithmetic is in :mod:`lowmem_tpu.memory.plan`; this module chains techniques until a plan
 fits and renders plans as text or JSON.
 """
 
@@ -9,19 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from lowmem_tpu.memory import (
-    Device,
-    GiB,
-    Plan,
-    Setting,
-    Shape,
-    find_device,
-    plan_setting,
-    require_config,
-    setting_of,
-    shape_of,
-)
-from lowmem_tpu.recipe import Recipe
+from lowmem_tpu.config import Recipe
+from lowmem_tpu.memory.plan import Plan, plan_setting
+from lowmem_tpu.memory.shape import Setting, Shape, require_config, setting_of, shape_of
+from lowmem_tpu.xla.devices import Device, GiB, find_device
 
 # ----------------------------------------------------------------------------- what to turn on next
 

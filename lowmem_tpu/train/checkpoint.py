@@ -18,6 +18,7 @@ import torch
 import yaml
 
 from lowmem_tpu.errors import UserError
+from lowmem_tpu.files import publish
 
 COMPLETE = "COMPLETE"
 WEIGHTS = "trainable.safetensors"
@@ -114,9 +115,7 @@ def finish(partial: Path, keep_last: int) -> Path:
     """Mark a written checkpoint complete, publish it, then prune the oldest complete ones."""
     (partial / COMPLETE).write_text("ok\n")
     final = partial.with_name(partial.name.removesuffix(".partial"))
-    if final.exists():
-        shutil.rmtree(final)
-    partial.rename(final)
+    publish(partial, final)
     for old in complete_checkpoints(final.parent.parent)[:-keep_last]:
         shutil.rmtree(old)
     return final

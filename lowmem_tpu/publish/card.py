@@ -11,8 +11,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from lowmem_tpu.export import ADAPTER_CONFIG
-from lowmem_tpu.recipe import BUILTIN, looks_local
+from lowmem_tpu.config.assets import BUILTIN, looks_local
+from lowmem_tpu.publish.export import ADAPTER_CONFIG
 
 PROJECT = "lowmem-tpu"
 
@@ -33,7 +33,7 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def _sources(directory: Path) -> dict[str, dict[str, Any]]:
-    from lowmem_tpu.merge import MERGE_REPORT, read_recipe_data
+    from lowmem_tpu.publish.merge import MERGE_REPORT, read_recipe_data
 
     return {
         "recipe": read_recipe_data(directory),

@@ -1,0 +1,142 @@
+"""Validation with messages a person can act on: every problem as ``dotted.path: message``, at once."""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from lowmem_tpu.config.schema import DEFER_CROSS_CHECKS, Recipe, RecipeError, cross_problems
+
+
+def _section_fields(keys: tuple[str, ...]) -> list[str]:
+    """Field names of the section at ``keys`` (``()`` is the top level); [] when not a section."""
+    model: type[BaseModel] = Recipe
+    for key in keys:
+        annotation = getattr(model.model_fields.get(key), "annotation", None)
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return []
+        model = annotation
+    return list(model.model_fields)
+
+
+def _sections() -> list[str]:
+    return [name for name in Recipe.model_fields if _section_fields((name,))]
+
+
+def _split_loc(loc: tuple[Any, ...]) -> tuple[tuple[str, ...], tuple[Any, ...]]:
+    """Split an error location into recipe keys (down to the leaf field) and what lies inside the value."""
+    keys: list[str] = []
+    for i, part in enumerate(loc):
+        section = _section_fields(tuple(keys))
+        keys.append(str(part))
+        if str(part) not in section or not _section_fields(tuple(keys)):
+            return tuple(keys), tuple(loc[i + 1 :])
+    return tuple(keys), ()
+
+
+def _suggest(keys: tuple[str, ...]) -> str:
+    """``did you mean``: the same key in another section, else a close key in the same section."""
+    *parent, key = keys
+    places = [(), *((section,) for section in _sections())]
+    elsewhere = [(*place, key) for place in places if place != tuple(parent) and key in _section_fields(place)]
+    if elsewhere:
+        return ".".join(elsewhere[0])
+    close = difflib.get_close_matches(key, _section_fields(tuple(parent)), n=1, cutoff=0.6)
+    return ".".join([*parent, close[0]]) if close else ""
+
+
+def _got(value: Any) -> str:
+    if isinstance(value, (dict, list, tuple)):
+        return ""
+    text = repr(value)
+    return f" (got {text if len(text) <= 60 else text[:57] + '...'})"
+
+
+def _message(error: dict[str, Any]) -> str:
+    message = str(error["msg"]).removeprefix("Value error, ")
+    return message if error["type"] == "value_error" else message + _got(error.get("input"))
+
+
+def _describe(keys: tuple[str, ...], errors: list[tuple[tuple[Any, ...], dict[str, Any]]]) -> list[str]:
+    """``dotted.path: message`` lines for the errors of one recipe key."""
+    path = ".".join(keys)
+    first = errors[0][1]
+    if first["type"] == "extra_forbidden":
+        suggestion = _suggest(keys)
+        hint = f"; did you mean {suggestion}?" if suggestion else ""
+        valid = _section_fields(keys[:-1])
+        return [f"{path}: unknown key{hint} (valid: {', '.join(valid)})"]
+    if first["type"] in {"model_type", "dict_type"} and len(errors) == 1:
+        valid = ", ".join(_section_fields(keys))
+        return [f"{path}: must be a mapping of {keys[-1]} keys ({valid}){_got(first.get('input'))}"]
+    # A union (e.g. a list of names or "all-linear") reports one error per alternative, tagged by
+    # name in the location. Keep the alternative that got furthest; if none did, join them.
+    branches = [(rest, e) for rest, e in errors if any(isinstance(part, str) for part in rest)]
+    plain = [(rest, e) for rest, e in errors if not any(isinstance(part, str) for part in rest)]
+    lines = [f"{path}{''.join(f'[{p}]' for p in rest)}: {_message(e)}" for rest, e in plain]
+    if branches:
+        depth = max(len(rest) for rest, _ in branches)
+        deepest = [(rest, e) for rest, e in branches if len(rest) == depth]
+        if depth > 1:
+            lines += [
+                f"{path}{''.join(f'[{p}]' for p in rest if isinstance(p, int))}: {_message(e)}" for rest, e in deepest
+            ]
+        else:
+            messages = [str(e["msg"]) for _, e in deepest]
+            joined = " or ".join([messages[0], *(m.removeprefix("Input should be ") for m in messages[1:])])
+            lines.append(f"{path}: {joined}{_got(deepest[0][1].get('input'))}")
+    return lines
+
+
+def _without(data: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
+    """A copy of ``data`` without the key at ``keys`` (so its default is used instead)."""
+    if not keys or not isinstance(data, dict) or keys[0] not in data:
+        return data
+    data = dict(data)
+    if len(keys) == 1:
+        del data[keys[0]]
+    else:
+        data[keys[0]] = _without(data[keys[0]], keys[1:])
+    return data
+
+
+def _involves(fields: tuple[str, ...], removed: list[tuple[str, ...]]) -> bool:
+    dotted = [".".join(keys) for keys in removed]
+    return any(f == r or f.startswith(r + ".") or r.startswith(f + ".") for f in fields for r in dotted)
+
+
+def validate_recipe(data: dict[str, Any]) -> Recipe:
+    """Validate a merged recipe mapping; raise :class:`RecipeError` listing every problem.
+
+    Field problems come first. The offending keys are then dropped (their defaults stand in)
+    and the recipe validated again, so cross-field problems are reported in the same error,
+    except those that involve a dropped key (they could be artefacts of the default).
+    """
+    problems: list[str] = []
+    removed: list[tuple[str, ...]] = []
+    recipe = None
+    for _ in range(4):  # a second pass normally succeeds; the bound guards against surprises
+        try:
+            recipe = Recipe.model_validate(data, context={DEFER_CROSS_CHECKS: True})
+            break
+        except ValidationError as err:
+            grouped: dict[tuple[str, ...], list[tuple[tuple[Any, ...], dict[str, Any]]]] = {}
+            for error in err.errors():
+                keys, rest = _split_loc(tuple(error["loc"]))
+                if keys:
+                    grouped.setdefault(keys, []).append((rest, error))
+                else:
+                    problems.extend(_message(error).splitlines())
+            if not grouped:
+                break
+            for keys, errors in grouped.items():
+                problems.extend(_describe(keys, errors))
+                removed.append(keys)
+                data = _without(data, keys)
+    if recipe is not None:
+        problems.extend(message for fields, message in cross_problems(recipe) if not _involves(fields, removed))
+    if problems or recipe is None:
+        raise RecipeError(list(dict.fromkeys(problems)) or ["recipe: invalid"])
+    return recipe

@@ -1,0 +1,336 @@
+"""The recipe schema: one validated, frozen description of a fine-tuning run.
+
+Sections (``model``, ``lora``, ``data``, ``sharding``, ``runtime``, ``train``, ``hub``) plus
+top-level ``output_dir`` and ``extends``. Every field has a description (they feed ``--help``,
+``show`` and docs/recipes.md); unknown keys are errors. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+from lowmem_tpu.config.assets import BUILTIN, builtin_has_weights, check_source
+from lowmem_tpu.config.platform import on_tpu
+from lowmem_tpu.errors import UserError
+
+# The projections of a Llama-family decoder layer: LoRA's default targets and what the planner knows.
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Bits per weight of a quantized base (model.quantize).
+QUANT_BITS = {"int8": 8, "int4": 4}
+
+
+class RecipeError(UserError):
+    """A recipe that cannot be used; ``problems`` lists every ``dotted.path: message``."""
+
+
+class Section(BaseModel):
+    """A recipe section: unknown keys are errors, values are frozen once validated."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSection(Section):
+    """The base model and its tokenizer."""
+
+    name_or_path: str = Field(
+        "builtin:tiny-llama",
+        description="Hub id, local directory, or builtin:tiny-llama (a tiny Llama config shipped here).",
+    )
+    revision: str | None = Field(None, description="Hub revision (branch, tag or commit) of the model.")
+    dtype: Literal["bfloat16", "float32"] = Field(
+        "bfloat16", description="Dtype of the weights: bfloat16 halves weight memory; TPUs compute in bf16."
+    )
+    random_init: bool = Field(
+        False, description="Build the model from its config with random weights (nothing downloaded)."
+    )
+    tokenizer: str | None = Field(None, description="Tokenizer path or Hub id; defaults to name_or_path.")
+    use_fast_tokenizer: bool = Field(True, description="Fast (Rust) tokenizer; Open Llama asks for the slow one.")
+    pad_token: str | None = Field(
+        None,
+        description="Pad token to use when the tokenizer has none (default: unk, else eos; "
+        "padding is masked by position, so eos is still learned).",
+    )
+    attn_implementation: Literal["eager", "sdpa"] = Field(
+        "eager", description="Attention kernel; eager is the XLA-friendly default."
+    )
+    quantize: Literal["none", "int8", "int4"] = Field(
+        "none",
+        description="Freeze the base's decoder linears in int8 (one scale per output row) or int4 "
+        "(one scale per group of inputs, two per byte), quantized while loading; LoRA only (QLoRA).",
+    )
+    quantize_group_size: Literal[32, 64, 128, 256] = Field(
+        64, description="int4: inputs sharing one scale (smaller = more accurate, more scales)."
+    )
+    quantize_lm_head: bool = Field(False, description="Quantize the LM head too (not when tied to the embedding).")
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _no_fp16(cls, value: Any) -> Any:
+        if str(value).lower() in {"float16", "fp16", "half", "torch.float16"}:
+            raise ValueError("fp16 is not a TPU training dtype: TPUs train in bfloat16 (use model.dtype: bfloat16)")
+        return value
+
+    @field_validator("quantize", mode="before")
+    @classmethod
+    def _no_quantize(cls, value: Any) -> Any:
+        return "none" if value is None or value is False else value
+
+    @field_validator("name_or_path", "tokenizer")
+    @classmethod
+    def _exists(cls, value: str | None) -> str | None:
+        return None if value is None else check_source(value, "model")
+
+
+class LoraSection(Section):
+    """LoRA adapters (PEFT); disable for full-parameter fine-tuning."""
+
+    enabled: bool = Field(True, description="Train LoRA adapters on a frozen base; false = full fine-tuning.")
+    r: int = Field(16, gt=0, le=4096, description="LoRA rank: adapter memory grows linearly with r.")
+    alpha: float = Field(32, gt=0, description="LoRA scaling numerator (scale = alpha / r).")
+    dropout: float = Field(0.05, ge=0, lt=1, description="Dropout on the LoRA input.")
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        default_factory=lambda: list(LORA_TARGETS),
+        description="Module names that get adapters, or all-linear.",
+    )
+
+
+class DataSection(Section):
+    """Training (and held-out) data, its format, and the static shape it is tokenized to."""
+
+    path: str = Field(
+        "builtin:reverse/train.jsonl",
+        description="Training data: local JSONL/JSON/CSV/Parquet file, Hub dataset, or builtin:NAME.",
+    )
+    split: str = Field("train", description="Split to read from a Hub dataset.")
+    eval_path: str | None = Field(None, description="Held-out data in the same format (file or Hub dataset).")
+    eval_split: str | None = Field(None, description="Split of a Hub dataset to evaluate on.")
+    format: Literal["text", "alpaca", "chat"] = Field(
+        "chat", description="text: a text field; alpaca: instruction/input/output; chat: messages."
+    )
+    text_field: str = Field("text", description="Column with the text (format text).")
+    messages_field: str = Field("messages", description="Column with the conversation (format chat).")
+    mask_prompt: bool = Field(True, description="Train only on completions (alpaca) or assistant turns (chat).")
+    max_length: int = Field(
+        512, gt=1, le=131072, description="Every batch is padded/packed to this length: activations scale with it."
+    )
+    packing: bool = Field(False, description="Concatenate samples into full max_length rows (no padding waste).")
+    max_samples: int | None = Field(None, gt=0, description="Use at most this many training samples.")
+    too_long: Literal["truncate", "drop", "error"] = Field(
+        "truncate", description="What to do with samples longer than max_length."
+    )
+
+    @field_validator("path", "eval_path")
+    @classmethod
+    def _exists(cls, value: str | None) -> str | None:
+        return None if value is None else check_source(value, "dataset")
+
+
+class ShardingSection(Section):
+    """How weights are split over the XLA devices (FSDPv2) and which layers are recomputed."""
+
+    strategy: Literal["fsdp", "replicated"] = Field(
+        "fsdp", description="fsdp: every weight sharded over all devices (1/N each); replicated: a copy per device."
+    )
+    activation_checkpointing: bool = Field(
+        True, description="Recompute each decoder layer in backward: keeps one layer's activations, ~+30% compute."
+    )
+    scan_layers: bool = Field(
+        False,
+        description="Compile one decoder layer and scan it over all layers (torch_xla scan_layers): "
+        "less compile time for deep models; stacks the layer weights (+1 copy of the layer weights, sharded).",
+    )
+    layer_class: str | None = Field(
+        None, description="Decoder layer class to wrap and checkpoint (default: the model's own decoder layer)."
+    )
+
+
+class RuntimeSection(Section):
+    """The XLA devices: a TPU, or virtual devices on the CPU backend for a rehearsal."""
+
+    device: Literal["auto", "tpu", "cpu"] = Field("auto", description="auto: the TPU if there is one, else the CPU.")
+    num_cpu_devices: int = Field(4, ge=1, le=64, description="Virtual XLA devices on the CPU backend.")
+    compile_cache_dir: str | None = Field(
+        "auto",
+        description="Persistent XLA compilation cache, reused by the next identical run on a TPU "
+        "(auto: ~/.cache/lowmem-tpu/xla-PLATFORM; null disables it).",
+    )
+    quiet: bool = Field(True, description="Hide the XLA/transformers warning wall on stderr.")
+
+
+class TrainSection(Section):
+    """Optimisation, batch shape, logging and evaluation."""
+
+    max_steps: int = Field(100, gt=0, description="Optimizer steps to run.")
+    global_batch_size: int = Field(
+        8, gt=0, description="Samples per optimizer step, over all devices and accumulation steps."
+    )
+    gradient_accumulation_steps: int = Field(
+        1, gt=0, description="Micro-batches per step: divides activation memory, same global batch."
+    )
+    learning_rate: float = Field(2e-4, gt=0, lt=1, description="Peak learning rate.")
+    lr_scheduler: Literal["cosine", "linear", "constant"] = Field("cosine", description="Decay after warm-up.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps.")
+    optimizer: Literal["adamw", "adafactor"] = Field(
+        "adamw", description="adamw: 8 bytes/param of state; adafactor: factored, far less."
+    )
+    weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay.")
+    max_grad_norm: float = Field(1.0, ge=0, description="Gradient clipping norm (0 disables).")
+    logging_steps: int = Field(10, gt=0, description="Log loss, learning rate, tokens/s every N steps.")
+    eval_steps: int | None = Field(None, gt=0, description="Evaluate the eval set every N steps (and at the end).")
+    eval_samples: int = Field(
+        0, ge=0, description="Held-out prompts scored by greedy exact match before and after training."
+    )
+    fused_lm_head: bool = Field(
+        False,
+        description="TRL's chunked LM head: never builds [batch, length, vocab] logits (saves ~8 bytes x that "
+        "per device) but about doubles step time on XLA.",
+    )
+    max_new_tokens: int = Field(16, gt=0, description="Generation length for the exact-match evaluation.")
+    seed: int = Field(42, description="Seed for initialisation, data order and dropout.")
+    save_steps: int | None = Field(
+        None, gt=0, description="Write a resumable checkpoint every N steps (trainable state, optimizer, RNG, data)."
+    )
+    keep_last: int = Field(2, gt=0, description="Complete checkpoints kept; older ones go once a newer one is done.")
+    resume: str = Field(
+        "auto", description="auto: continue from the latest complete checkpoint in output_dir; never; or a path."
+    )
+    max_wall_time: str | None = Field(
+        None, description="Save and stop cleanly before this much time has passed, e.g. 8h30m, 45m, 90s."
+    )
+    on_nonfinite: Literal["stop", "skip"] = Field(
+        "stop",
+        description="NaN/Inf loss or gradients: stop the run at that logging step, or skip that update "
+        "(skip checks every step: one host sync per step).",
+    )
+    loss_spike_factor: float = Field(
+        5.0, ge=0, description="Warn when a logged loss exceeds this many times the running mean (0: never)."
+    )
+
+    @field_validator("max_wall_time")
+    @classmethod
+    def _duration(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_duration(value)
+        return value
+
+
+class HubSection(Section):
+    """Pushing the result to the Hugging Face Hub."""
+
+    push: bool = Field(False, description="Push the result to the Hugging Face Hub after training.")
+    repo_id: str | None = Field(None, description="OWNER/NAME of the Hub repository.")
+    private: bool = Field(False, description="Create the repository as private.")
+
+
+class Recipe(Section):
+    """A whole fine-tuning run: top-level keys plus one mapping per section."""
+
+    extends: str | None = Field(None, description="Recipe file this one extends (relative to this file).")
+    output_dir: str = Field("outputs/run", description="Where checkpoints and final/ are written.")
+    model: ModelSection = Field(default_factory=ModelSection)
+    lora: LoraSection = Field(default_factory=LoraSection)
+    data: DataSection = Field(default_factory=DataSection)
+    sharding: ShardingSection = Field(default_factory=ShardingSection)
+    runtime: RuntimeSection = Field(default_factory=RuntimeSection)
+    train: TrainSection = Field(default_factory=TrainSection)
+    hub: HubSection = Field(default_factory=HubSection)
+
+    @model_validator(mode="after")
+    def _cross_checks(self, info: ValidationInfo) -> Recipe:
+        # validate_recipe defers these so it can drop the ones a bad field would make spurious.
+        if not (info.context or {}).get(DEFER_CROSS_CHECKS):
+            problems = [message for _, message in cross_problems(self)]
+            if problems:
+                raise ValueError("\n".join(problems))
+        return self
+
+    def to_yaml(self) -> str:
+        """The resolved recipe as YAML (no ``extends``: every value is spelled out)."""
+        data = self.model_dump(mode="json", exclude={"extends"})
+        return yaml.safe_dump(data, sort_keys=False)
+
+
+DEFER_CROSS_CHECKS = "lowmem_tpu.defer_cross_checks"
+
+
+def cross_problems(recipe: Recipe) -> list[tuple[tuple[str, ...], str]]:
+    """Problems that involve several fields, each as (the dotted fields involved, message)."""
+    problems: list[tuple[tuple[str, ...], str]] = []
+    t, model, data = recipe.train, recipe.model, recipe.data
+    batch = ("train.global_batch_size", "train.gradient_accumulation_steps")
+    if t.global_batch_size % t.gradient_accumulation_steps:
+        message = f"{t.global_batch_size} is not divisible by train.gradient_accumulation_steps"
+        problems.append((batch, f"train.global_batch_size: {message} ({t.gradient_accumulation_steps})"))
+    # On a TPU the device count is only known once torch_xla starts; the runtime checks it there.
+    if not on_tpu(recipe.runtime.device):
+        problem = batch_split_problem(
+            t.global_batch_size, t.gradient_accumulation_steps, recipe.runtime.num_cpu_devices
+        )
+        if problem:
+            problems.append(((*batch, "runtime.num_cpu_devices", "runtime.device"), problem))
+    if model.name_or_path.startswith(BUILTIN) and not model.random_init and not builtin_has_weights(model.name_or_path):
+        message = f"must be true for {model.name_or_path}, which ships a config and tokenizer but no weights"
+        if "name_or_path" not in model.model_fields_set:
+            message += " (it is the default model: set model.name_or_path to a Hub id or directory to use another)"
+        problems.append((("model.name_or_path", "model.random_init"), f"model.random_init: {message}"))
+    if model.quantize != "none" and not recipe.lora.enabled:
+        message = (
+            f"model.quantize: {model.quantize} freezes the base in {model.quantize}, but lora.enabled is false "
+            "(full fine-tuning trains every base weight, which needs them in full precision); "
+            "set lora.enabled: true to train LoRA adapters on the quantized base (QLoRA), or model.quantize: none"
+        )
+        problems.append((("model.quantize", "lora.enabled"), message))
+    if model.quantize != "none" and recipe.sharding.scan_layers:
+        message = (
+            f"model.quantize: a {model.quantize} base is not supported with sharding.scan_layers yet "
+            "(the scanned layer is traced functionally, the quantized projections are not); "
+            "set sharding.scan_layers: false or model.quantize: none"
+        )
+        problems.append((("model.quantize", "sharding.scan_layers"), message))
+    if recipe.hub.push and not recipe.hub.repo_id:
+        problems.append((("hub.push", "hub.repo_id"), "hub.repo_id: required when hub.push is true (OWNER/NAME)"))
+    if t.eval_samples and not data.eval_path:
+        message = "train.eval_samples: needs data.eval_path (held-out prompts to score)"
+        problems.append((("train.eval_samples", "data.eval_path"), message))
+    if t.eval_steps and not data.eval_path:
+        message = "train.eval_steps: needs data.eval_path (without it nothing would be evaluated)"
+        problems.append((("train.eval_steps", "data.eval_path"), message))
+    return problems
+
+
+def batch_split_problem(global_batch: int, accumulation: int, devices: int) -> str | None:
+    """Why a global batch cannot be cut into micro-batches that split evenly over the devices (None: it can)."""
+    micro = global_batch // accumulation
+    if micro % devices == 0:
+        return None
+    return (
+        f"train.global_batch_size: the micro-batch ({global_batch} / {accumulation} accumulation steps = "
+        f"{micro}) must split evenly over {devices} devices; "
+        f"use a multiple of {devices * accumulation}"
+    )
+
+
+def micro_batch_size(recipe: Recipe, devices: int) -> int:
+    """Samples per forward pass over all devices; a UserError when they do not split evenly."""
+    t = recipe.train
+    problem = batch_split_problem(t.global_batch_size, t.gradient_accumulation_steps, devices)
+    if t.global_batch_size % t.gradient_accumulation_steps:
+        problem = (
+            f"train.global_batch_size: {t.global_batch_size} is not divisible by train.gradient_accumulation_steps"
+        )
+    if problem:
+        raise UserError(problem)
+    return t.global_batch_size // t.gradient_accumulation_steps
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in a duration like ``8h30m``, ``45m``, ``90s`` or ``1h``."""
+    match = re.fullmatch(r"\s*(?:(\d+)h)?\s*(?:(\d+)m)?\s*(?:(\d+)s)?\s*", str(text))
+    if not match or not any(match.groups()):
+        raise ValueError(f"{text!r} is not a duration like 8h30m, 45m or 90s")
+    hours, minutes, seconds = (int(g or 0) for g in match.groups())
+    return hours * 3600.0 + minutes * 60.0 + seconds

@@ -1,0 +1,20 @@
+"""Training data: load records (``loading``), format them (``formats``), cut them to static shapes (``rows``).
+
+Imports ``config`` and ``errors`` only, never ``xla`` or ``model``: a tokenizer comes in as an argument.
+``datasets``, ``numpy`` and ``torch`` are imported inside the functions that use them.
+"""
+
+from lowmem_tpu.data.formats import IGNORE_INDEX, alpaca_prompt, exact_match_prompts
+from lowmem_tpu.data.loading import DataError, load_records
+from lowmem_tpu.data.rows import COLUMNS, build_dataset, collate
+
+__all__ = [
+    "COLUMNS",
+    "IGNORE_INDEX",
+    "DataError",
+    "alpaca_prompt",
+    "build_dataset",
+    "collate",
+    "exact_match_prompts",
+    "load_records",
+]

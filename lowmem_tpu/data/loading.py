@@ -1,0 +1,108 @@
+"""Reading records: ``builtin:`` files, local JSONL/JSON/CSV/Parquet, Hub datasets; malformed files named."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from lowmem_tpu.config.assets import BUILTIN, looks_local, resolve_builtin
+from lowmem_tpu.errors import UserError
+
+if TYPE_CHECKING:
+    import datasets
+
+BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
+
+
+class DataError(UserError):
+    """A user error in the data (the CLI prints it and exits 2). Message names the problem and the fix."""
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def load_records(path: str, split: str = "train") -> datasets.Dataset:
+    """Records of ``builtin:NAME``, a local .jsonl/.json/.csv/.parquet file (or directory), or a Hub dataset.
+
+    JSON files are checked line by line first, so a malformed one fails with its line number.
+    """
+    if path.startswith(BUILTIN):
+        file = resolve_builtin(path)
+        if not file.exists():
+            raise DataError(f"no built-in dataset {path!r} (looked for {file})")
+        return _load_local(file, split)
+    if looks_local(path):
+        file = Path(path).expanduser()
+        if not file.exists():
+            raise DataError(f"data file not found: {path} (give an existing file or a Hub dataset id)")
+        return _load_local(file, split)
+    return _load(
+        path,
+        f"could not load the Hub dataset {path!r} (split {split!r})",
+        "give a local .jsonl/.json/.csv/.parquet file instead (no network, or a wrong name or split?)",
+        split=split,
+    )
+
+
+def _load_local(file: Path, split: str) -> datasets.Dataset:
+    if file.is_dir():
+        return _load(str(file), f"could not load the dataset directory {file}", "give one data file", split=split)
+    builder = BUILDERS.get(file.suffix.lower())
+    if builder is None:
+        raise DataError(f"{file}: unsupported file type {file.suffix!r}; use one of {', '.join(BUILDERS)}")
+    if file.suffix.lower() == ".jsonl":
+        _check_json_lines(file)
+    elif builder == "json":
+        _check_json(file)
+    records = _load(builder, f"could not read {file}", "check the file", data_files=str(file), split="train")
+    if len(records) == 0:
+        raise DataError(f"{file} holds no records")
+    return records
+
+
+def _load(name: str, failure: str, fix: str, **kwargs: Any) -> datasets.Dataset:
+    import datasets
+
+    try:
+        return datasets.load_dataset(name, **kwargs)
+    except Exception as err:  # datasets raises many types (network, schema, parse); all are user-facing here
+        raise DataError(f"{failure}: {type(err).__name__}: {err}; {fix}") from err
+
+
+def _check_json_lines(file: Path) -> None:
+    """Fail on the first line of a JSON-lines file that is not one JSON object, or on an empty file."""
+    records = 0
+    with file.open(encoding="utf-8", errors="replace") as lines:
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DataError(
+                    f"{file}: line {number} is not valid JSON ({err.msg}, column {err.colno}); "
+                    "each line must hold one JSON object (a JSON array belongs in a .json file)"
+                ) from None
+            if not isinstance(record, dict):
+                raise DataError(f"{file}: line {number} is a JSON {type(record).__name__}, not an object")
+            records += 1
+    if not records:
+        raise DataError(f"{file} holds no records")
+
+
+def _check_json(file: Path) -> None:
+    """A .json file is either one array of objects or JSON lines."""
+    text = file.read_text(encoding="utf-8", errors="replace")
+    if not text.lstrip().startswith("["):
+        _check_json_lines(file)
+        return
+    try:
+        records = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise DataError(f"{file}: line {err.lineno} is not valid JSON ({err.msg}, column {err.colno})") from None
+    for index, record in enumerate(records, 1):
+        if not isinstance(record, dict):
+            raise DataError(f"{file}: item {index} of the array is a JSON {type(record).__name__}, not an object")
+    if not records:
+        raise DataError(f"{file} holds no records")

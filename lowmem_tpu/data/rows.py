@@ -1,0 +1,153 @@
+"""Static shapes: formatted samples become rows of exactly ``data.max_length`` tokens.
+
+XLA compiles one graph per input shape, so every row this module returns has
+exactly ``data.max_length`` tokens: a ragged batch would recompile the step (minutes
+on a TPU) for every new length. Padding is wasted compute; ``data.packing`` trades
+it for cross-sample attention.
+
+Labels are not shifted (the model shifts them) and are ``-100`` wherever nothing
+should be learned: padding, and with ``data.mask_prompt`` the prompt. Padding is
+found by position, never by comparing ids with the pad id, because the pad token
+may be the EOS, which must still be learned.
+
+``datasets``, ``numpy`` and ``torch`` are imported inside the functions that use them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from lowmem_tpu.config import DataSection
+from lowmem_tpu.data.formats import ENCODERS, IGNORE_INDEX, Sample, check_tokenizer, require_columns
+from lowmem_tpu.data.loading import DataError, load_records
+
+if TYPE_CHECKING:
+    import datasets
+    import numpy as np
+    import torch
+
+COLUMNS = ("input_ids", "attention_mask", "labels")
+
+
+# --------------------------------------------------------------------------- static shapes
+
+
+def build_dataset(
+    cfg: DataSection,
+    tokenizer: Any,
+    *,
+    path: str | None = None,
+    split: str | None = None,
+    max_samples: int | None = None,
+) -> tuple[datasets.Dataset, dict[str, int]]:
+    """Load, format and tokenize ``path`` (default ``cfg.path``) into rows of exactly ``cfg.max_length`` tokens.
+
+    Every row has ``input_ids``, ``attention_mask`` and ``labels`` (unshifted, -100 on padding and masked
+    prompts), right-padded with the pad token. Samples longer than max_length follow ``cfg.too_long``
+    (with packing too: a split sample would lose its prompt); samples with no trained token left are
+    dropped. With ``cfg.packing`` the samples are concatenated and cut into full rows (only the last is
+    padded); this packing is naive: samples sharing a row can attend to each other.
+
+    Returns the dataset and stats: samples (records read), rows, truncated, dropped, longest (tokens of
+    the longest sample), tokens (real tokens in the rows) and trained_tokens (labels that are not -100).
+    """
+    import datasets
+    import numpy as np
+
+    check_tokenizer(tokenizer, cfg)
+    path = path or cfg.path
+    records = load_records(path, split or cfg.split)
+    require_columns(records, cfg, path)
+    limit = max_samples if max_samples is not None else cfg.max_samples
+    if limit is not None:
+        records = records.select(range(min(limit, len(records))))
+    encode = ENCODERS[cfg.format]
+    # int32 arrays, not lists of Python ints: a large dataset is held in host memory at once.
+    samples = [
+        tuple(np.asarray(part, dtype=np.int32) for part in encode(record, cfg, tokenizer, f"{path}: record {i}"))
+        for i, record in enumerate(records, 1)
+    ]
+    if not samples:
+        raise DataError(f"{path}: no records to train on")
+    kept, counts = _fit(samples, cfg)
+    arrays = (_pack if cfg.packing else _pad)(kept, cfg.max_length, tokenizer.pad_token_id)
+    stats = {
+        "samples": len(samples),
+        "rows": len(arrays["input_ids"]),
+        **counts,
+        "tokens": int(arrays["attention_mask"].sum()),
+        "trained_tokens": int((arrays["labels"] != IGNORE_INDEX).sum()),
+    }
+    return datasets.Dataset.from_dict(arrays), stats
+
+
+def _fit(samples: list[Sample], cfg: DataSection) -> tuple[list[Sample], dict[str, int]]:
+    """Apply ``cfg.too_long`` and drop samples with nothing to train; return the kept samples and the counts."""
+    limit = cfg.max_length
+    lengths = [len(ids) for ids, _ in samples]
+    too_long = sum(length > limit for length in lengths)
+    if too_long and cfg.too_long == "error":
+        raise DataError(
+            f"{too_long} of {len(samples)} samples are longer than data.max_length={limit} tokens "
+            f"(the longest has {max(lengths)}); raise data.max_length or set data.too_long: truncate or drop"
+        )
+    dropped_long = too_long if cfg.too_long == "drop" else 0
+    if cfg.too_long == "drop":
+        samples = [sample for sample in samples if len(sample[0]) <= limit]
+    else:
+        samples = [(ids[:limit], labels[:limit]) for ids, labels in samples]
+    kept = [sample for sample in samples if (sample[1] != IGNORE_INDEX).any()]
+    untrained = len(samples) - len(kept)
+    if not kept:
+        reasons = [f"{untrained} had no trained token (no assistant turn, or the answer was truncated away)"]
+        if dropped_long:
+            reasons.insert(0, f"{dropped_long} were longer than data.max_length={limit} (data.too_long: drop)")
+        raise DataError(
+            f"no samples left to train on: of {len(lengths)}, {' and '.join(reasons)}; "
+            "check the data or raise data.max_length"
+        )
+    counts = {"truncated": too_long - dropped_long, "dropped": dropped_long + untrained, "longest": max(lengths)}
+    return kept, counts
+
+
+def _pad(samples: list[Sample], length: int, pad_id: int) -> dict[str, np.ndarray]:
+    """One right-padded row per sample."""
+    arrays = _empty(len(samples), length, pad_id)
+    for row, (ids, labels) in enumerate(samples):
+        arrays["input_ids"][row, : len(ids)] = ids
+        arrays["attention_mask"][row, : len(ids)] = 1
+        arrays["labels"][row, : len(ids)] = labels
+    return arrays
+
+
+def _pack(samples: list[Sample], length: int, pad_id: int) -> dict[str, np.ndarray]:
+    """All samples end to end, cut into rows of ``length``; only the last row is padded."""
+    import numpy as np
+
+    ids = np.concatenate([sample_ids for sample_ids, _ in samples])
+    labels = np.concatenate([sample_labels for _, sample_labels in samples])
+    rows = -(-len(ids) // length)
+    arrays = _empty(rows, length, pad_id)
+    arrays["input_ids"].reshape(-1)[: len(ids)] = ids
+    arrays["attention_mask"].reshape(-1)[: len(ids)] = 1
+    arrays["labels"].reshape(-1)[: len(ids)] = labels
+    return arrays
+
+
+def _empty(rows: int, length: int, pad_id: int) -> dict[str, np.ndarray]:
+    import numpy as np
+
+    return {
+        "input_ids": np.full((rows, length), pad_id, dtype=np.int64),
+        "attention_mask": np.zeros((rows, length), dtype=np.int64),
+        "labels": np.full((rows, length), IGNORE_INDEX, dtype=np.int64),
+    }
+
+
+def collate(rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """Stack rows of ``build_dataset`` into LongTensors ``[batch, max_length]``."""
+    import torch
+
+    if not rows:
+        raise ValueError("collate needs at least one row")
+    return {key: torch.stack([torch.as_tensor(row[key], dtype=torch.long) for row in rows]) for key in COLUMNS}

@@ -1,0 +1,79 @@
+"""Reading the XLA compiler's own memory figures: buffer assignments dumped with ``--xla_dump_to``."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from lowmem_tpu.errors import UserError
+
+# Without the last flag the CPU backend keeps every layer's gathered weights live at once
+# (see XLA_NOTES.md), so FSDP and checkpointing would seem to save little.
+DUMP_FLAGS = "--xla_dump_to={dir} --xla_dump_hlo_pass_re=NONE --xla_cpu_enable_concurrency_optimized_scheduler=false"
+_TOTAL = re.compile(r"^Total bytes used: (\d+)", re.M)
+_PEAK = re.compile(r"Stack trace breakdown for peak usage: ([\d ]+) bytes")
+_ALLOCATION = re.compile(r"^allocation \d+: size (\d+)(.*)$", re.M)
+_LIVE = re.compile(r"^\s+(\S+?)\{[^}]*\}: (\d+) bytes", re.M)
+
+
+@dataclass(frozen=True)
+class CompilerFigures:
+    """One device's partition of a compiled program, from XLA's buffer assignment."""
+
+    total_bytes: int  # every allocation: entry parameters + outputs + the temporary arena
+    peak_live_bytes: int  # the most bytes live at one point of the schedule
+    parameter_bytes: int  # entry parameters (weights, optimizer state, the batch)
+    temp_bytes: int  # the preallocated temporary arena
+    output_bytes: int  # outputs that do not reuse a parameter's buffer
+    module: str  # dump file name of the program
+
+
+def parse_buffer_assignment(path: Path) -> CompilerFigures:
+    """Figures of one ``*buffer-assignment.txt`` that XLA wrote with ``--xla_dump_to``."""
+    text = path.read_text()
+    total = _TOTAL.search(text)
+    if total is None:
+        raise ValueError(f"{path}: no 'Total bytes used' line")
+    peak = _PEAK.search(text)
+    parameter = temp = output = 0
+    for size, rest in _ALLOCATION.findall(text):
+        if " parameter " in rest:
+            parameter += int(size)
+        elif "preallocated-temp" in rest:
+            temp += int(size)
+        elif "live-out" in rest:
+            output += int(size)
+    return CompilerFigures(
+        total_bytes=int(total.group(1)),
+        peak_live_bytes=int(peak.group(1).replace(" ", "")) if peak else 0,
+        parameter_bytes=parameter,
+        temp_bytes=temp,
+        output_bytes=output,
+        module=path.name.split(".cpu_after")[0],
+    )
+
+
+def live_at_peak(buffer_assignment: Path) -> list[tuple[str, str, int]]:
+    """(instruction, shape, bytes) of every buffer live at the program's peak, largest first.
+
+    The shapes come from the optimized HLO dumped beside the buffer assignment.
+    """
+    text = buffer_assignment.read_text()
+    start = text.find("(peak):")
+    if start < 0:
+        return []
+    section = text[start : text.find("Stack trace breakdown", start)]
+    hlo_path = Path(str(buffer_assignment).replace("-buffer-assignment.txt", ".txt"))
+    hlo = hlo_path.read_text() if hlo_path.exists() else ""
+    shapes = {m.group(1): m.group(2) for m in re.finditer(r"%(\S+) = (\S+?)\{", hlo)}
+    live = [(name, shapes.get(name, "?"), int(size)) for name, size in _LIVE.findall(section)]
+    return sorted(live, key=lambda item: -item[2])
+
+
+def largest_program(paths: list[Path]) -> CompilerFigures:
+    """The program that uses the most memory among dumped buffer assignments (the training step)."""
+    figures = [parse_buffer_assignment(p) for p in paths]
+    if not figures:
+        raise UserError("the compiler wrote no buffer assignment: was XLA_FLAGS set before torch_xla started?")
+    return max(figures, key=lambda f: f.total_bytes)

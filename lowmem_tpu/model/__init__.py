@@ -1,0 +1,35 @@
+"""The model: config and weights (``loading``), tokenizer, LoRA, a quantized base, architecture facts.
+
+Imports ``config`` and ``errors`` only, never ``xla``: what lives here runs on the host. torch,
+transformers and peft are imported inside the functions that need them.
+"""
+
+from lowmem_tpu.model.architecture import check_model, count_parameters, flops_per_token, layer_class
+from lowmem_tpu.model.loading import (
+    build_base_model,
+    load_config,
+    meta_model,
+    quantize_base,
+    resolve_source,
+    shipped_config_path,
+    torch_dtype,
+)
+from lowmem_tpu.model.lora import apply_lora
+from lowmem_tpu.model.tokenizer import align_special_tokens, load_tokenizer
+
+__all__ = [
+    "align_special_tokens",
+    "apply_lora",
+    "build_base_model",
+    "check_model",
+    "count_parameters",
+    "flops_per_token",
+    "layer_class",
+    "load_config",
+    "load_tokenizer",
+    "meta_model",
+    "quantize_base",
+    "resolve_source",
+    "shipped_config_path",
+    "torch_dtype",
+]

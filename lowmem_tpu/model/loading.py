@@ -1,0 +1,241 @@
+"""The base model: its config (local, shipped or Hub) and its weights, built by one function.
+
+``build_base_model`` makes the module tree on the ``meta`` device and fills it from the
+checkpoint one tensor at a time, quantizing each decoder linear as it is read when
+``model.quantize`` asks, so the full-precision model never exists in host memory as a whole.
+Training, the memory measurement and ``merge`` all build their base here.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from lowmem_tpu.config import ModelSection
+from lowmem_tpu.config.assets import BUILTIN, resolve_builtin
+from lowmem_tpu.errors import UserError
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+CONFIGS = Path(__file__).parent.parent / "configs"
+Weights = Literal["checkpoint", "random", "meta"]
+
+
+def resolve_source(name_or_path: str) -> str:
+    """A ``builtin:`` name becomes its packaged directory; anything else is returned as is."""
+    return str(resolve_builtin(name_or_path)) if name_or_path.startswith(BUILTIN) else name_or_path
+
+
+def shipped_config_path(name_or_path: str) -> Path | None:
+    """A config this project ships for a known Hub model (so nothing has to be downloaded)."""
+    path = CONFIGS / (name_or_path.replace("/", "__") + ".json")
+    return path if path.exists() else None
+
+
+def load_config(cfg: ModelSection, offline: bool = False) -> Any:
+    """The model's config: local or built-in directory, shipped copy, or the Hub.
+
+    With ``offline`` only local files are read and ``None`` is returned when none exist.
+    """
+    from transformers import AutoConfig
+
+    source = resolve_source(cfg.name_or_path)
+    directory = Path(source).expanduser()
+    if directory.is_dir():
+        if not (directory / "config.json").is_file():
+            raise UserError(
+                f"model.name_or_path: {source} holds no config.json; give the directory of a saved model "
+                "(config.json and its weights, as save_pretrained writes them)"
+            )
+        try:
+            return AutoConfig.from_pretrained(directory)
+        except (OSError, ValueError) as err:
+            raise UserError(f"model.name_or_path: cannot read {directory / 'config.json'}: {err}") from None
+    shipped = shipped_config_path(source)
+    if offline or (cfg.random_init and shipped):
+        if shipped:
+            return AutoConfig.from_pretrained(shipped)
+        try:
+            return AutoConfig.from_pretrained(source, revision=cfg.revision, local_files_only=True)
+        except OSError:
+            return None
+    try:
+        return AutoConfig.from_pretrained(source, revision=cfg.revision)
+    except OSError as err:
+        raise UserError(f"model.name_or_path: cannot load the config of {source!r}: {err}") from None
+
+
+def torch_dtype(name: str) -> Any:
+    import torch
+
+    return {"bfloat16": torch.bfloat16, "float32": torch.float32}[name]
+
+
+def meta_model(config: Any, cfg: ModelSection | None = None) -> Any:
+    """The model's module tree with no memory behind it; with ``cfg``, in its dtype and quantized layout."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {} if cfg is None else {"dtype": torch_dtype(cfg.dtype), "attn_implementation": cfg.attn_implementation}
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, **kwargs)
+    if cfg is not None and cfg.quantize != "none":
+        from lowmem_tpu.model.quantize import BITS, swap_linears
+
+        swap_linears(model, BITS[cfg.quantize], cfg.quantize_group_size, cfg.quantize_lm_head, torch_dtype(cfg.dtype))
+    model.config.use_cache = False
+    return model
+
+
+def build_base_model(cfg: ModelSection, seed: int = 0, weights: Weights | None = None) -> Any:
+    """The base causal LM on the host, in ``model.dtype``.
+
+    ``weights``: ``checkpoint`` (read from ``name_or_path``, quantized as read if asked), ``random``
+    (initialised from the config with ``seed``, in full precision: ``quantize_base`` quantizes it
+    after it is saved as the adapter's base) or ``meta`` (no memory; the caller materializes it).
+    The default is ``random`` when ``model.random_init`` is set, else ``checkpoint``.
+    """
+    weights = weights or ("random" if cfg.random_init else "checkpoint")
+    if weights == "meta":
+        return meta_model(load_config(cfg, offline=True) or load_config(cfg), cfg)
+    if weights == "random":
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(
+            load_config(cfg), dtype=torch_dtype(cfg.dtype), attn_implementation=cfg.attn_implementation
+        )
+        model.config.use_cache = False
+        return model
+    return _from_checkpoint(cfg)
+
+
+def quantize_base(model: Any, cfg: ModelSection) -> int:
+    """Quantize a base built with random weights (in full precision); returns the layer count."""
+    if cfg.quantize == "none":
+        return 0
+    from lowmem_tpu.model.quantize import quantize_model
+
+    return quantize_model(model, cfg.quantize, cfg.quantize_group_size, cfg.quantize_lm_head)
+
+
+# ----------------------------------------------------------------------------- reading a checkpoint
+
+
+def weight_files(directory: Path) -> list[Path]:
+    """The checkpoint files of a model directory: safetensors first, else PyTorch ``.bin``."""
+    for index_name, single in (
+        ("model.safetensors.index.json", "model.safetensors"),
+        ("pytorch_model.bin.index.json", "pytorch_model.bin"),
+    ):
+        index = directory / index_name
+        if index.is_file():
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            return [directory / shard for shard in shards]
+        if (directory / single).is_file():
+            return [directory / single]
+    return []
+
+
+def read_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` of every tensor in the files, one at a time (memory-mapped reads)."""
+    import torch
+    from safetensors import safe_open
+
+    for path in files:
+        if path.suffix == ".safetensors":
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open is not iterable
+                    yield name, f.get_tensor(name)
+        else:
+            state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+            for name in list(state):
+                yield name, state.pop(name)
+
+
+def model_directory(source: str, revision: str | None) -> Path:
+    """A local model directory, or the Hub snapshot of its config and weights (downloaded once)."""
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return path
+    from huggingface_hub import list_repo_files, snapshot_download
+
+    try:
+        files = list_repo_files(source, revision=revision)
+        kind = "*.safetensors" if any(f.endswith(".safetensors") for f in files) else "*.bin"
+        return Path(snapshot_download(source, revision=revision, allow_patterns=["*.json", kind]))
+    except Exception as err:  # hub and network errors come in many types; each means "cannot fetch"
+        raise UserError(
+            f"model.name_or_path: cannot fetch the weights of {source!r} ({type(err).__name__}: {err}); "
+            "give a local directory or a reachable Hub id"
+        ) from None
+
+
+def _from_checkpoint(cfg: ModelSection) -> Any:
+    """Build on ``meta`` and fill from the checkpoint one tensor at a time (quantizing decoder linears if asked)."""
+    import torch
+
+    source = resolve_source(cfg.name_or_path)
+    directory = model_directory(source, cfg.revision)
+    files = weight_files(directory)
+    if not files:
+        raise UserError(
+            f"model.name_or_path: {directory} holds no model.safetensors or pytorch_model.bin "
+            "(or their .index.json); give the directory of a saved model"
+        )
+    model = meta_model(load_config(cfg.model_copy(update={"name_or_path": str(directory), "revision": None})), cfg)
+    dtype = torch_dtype(cfg.dtype)
+    expected = {name for name, _ in model.named_parameters()} | set(dict(model.named_buffers()))
+    with torch.no_grad():
+        for name, tensor in read_tensors(files):
+            layer = name.removesuffix(".weight")
+            if name in expected:
+                _assign(model, name, tensor, dtype)
+            elif layer != name and f"{layer}.qweight" in expected:
+                model.get_submodule(layer).load_weight(tensor)
+        if getattr(model.config, "tie_word_embeddings", False):
+            model.tie_weights()
+        _initialize_rest(model)
+    missing = sorted(n for n, p in model.named_parameters() if p.is_meta)
+    if missing:
+        raise UserError(
+            f"model.name_or_path: {directory} lacks weights for {len(missing)} parameters "
+            f"(first: {', '.join(missing[:3])}); is it a checkpoint of this architecture?"
+        )
+    _generation_config(model, directory)
+    return model
+
+
+def _generation_config(model: Any, directory: Path) -> None:
+    if (directory / "generation_config.json").is_file():
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_pretrained(directory)
+
+
+def _assign(model: nn.Module, name: str, tensor: torch.Tensor, dtype: torch.dtype) -> None:
+    from torch import nn
+
+    module_name, _, leaf = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    value = tensor.to(dtype) if tensor.is_floating_point() else tensor
+    if leaf in module._parameters:
+        module._parameters[leaf] = nn.Parameter(value, requires_grad=False)
+    else:
+        module._buffers[leaf] = value
+
+
+def _initialize_rest(model: nn.Module) -> None:
+    """Non-persistent buffers (rotary frequencies) are not in checkpoints: compute them as transformers does."""
+    for module in model.modules():
+        if any(b.is_meta for b in module.buffers(recurse=False)):
+            params = {n: p for n, p in module.named_parameters(recurse=False)}
+            module.to_empty(device="cpu", recurse=False)
+            for n, p in params.items():
+                module._parameters[n] = p  # keep loaded (or still missing) parameters as they were
+            model._init_weights(module)

@@ -1,0 +1,30 @@
+"""LoRA adapters (PEFT) on the frozen base, or every weight trainable for full fine-tuning."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lowmem_tpu.config import Recipe
+from lowmem_tpu.errors import UserError
+
+
+def apply_lora(model: Any, recipe: Recipe) -> Any:
+    """Wrap the base in PEFT LoRA adapters (the base is frozen), or leave every weight trainable."""
+    if not recipe.lora.enabled:
+        model.requires_grad_(True)
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    lora = recipe.lora
+    config = LoraConfig(
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=lora.target_modules,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    try:
+        return get_peft_model(model, config)
+    except ValueError as err:
+        raise UserError(f"lora.target_modules: {err}") from None

@@ -1,0 +1,54 @@
+"""Writing what training produced: the LoRA adapter (PEFT format) or the full model.
+
+Parameter names are taken from the model before it was wrapped (``model.names.ParamNames``),
+so the FSDP and checkpoint wrappers never leak into saved keys.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from lowmem_tpu.model.names import ParamNames
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def save_adapter(peft_model: Any, names: ParamNames, out: Path, base_name_or_path: str) -> list[str]:
+    """Save the LoRA adapter as PEFT does (weights + config naming its base); returns the keys."""
+    from safetensors.torch import save_file
+
+    state = names.adapter_state()
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    config = peft_model.peft_config["default"]
+    config.base_model_name_or_path = base_name_or_path
+    config.save_pretrained(str(out))
+    return sorted(state)
+
+
+def save_full_model(model: nn.Module, names: ParamNames, out: Path, max_shard_size: str = "2GB") -> None:
+    """Save every parameter as safetensors shards that ``from_pretrained`` loads."""
+    from huggingface_hub import save_torch_state_dict
+
+    state = names.host_state()
+    out.mkdir(parents=True, exist_ok=True)
+    save_torch_state_dict(state, out, max_shard_size=max_shard_size)
+    model.config.save_pretrained(out)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(out)
+
+
+def check_adapter(out: Path, expected_keys: list[str]) -> None:
+    """Prove the saved adapter is complete: PEFT parses its config and reads every tensor back."""
+    from peft import PeftConfig
+    from peft.utils import load_peft_weights
+
+    PeftConfig.from_pretrained(str(out))
+    loaded = load_peft_weights(str(out), device="cpu")
+    missing = sorted(set(expected_keys) - set(loaded))
+    if missing or not loaded:
+        raise RuntimeError(f"adapter in {out} is incomplete: missing {missing[:5]}")

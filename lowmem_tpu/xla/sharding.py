@@ -1,0 +1,111 @@
+"""FSDPv2 (SPMD) sharding: parameter placement, per-layer wrapping and checkpointing.
+
+Parameters are moved to the devices one at a time and sharded on arrival, so a device
+never holds a replicated copy of the whole model. Each decoder layer is then wrapped
+in ``SpmdFullyShardedDataParallel`` (optionally around torch_xla's ``checkpoint_module``)
+and the whole model in one more wrapper that shards the output along the batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from lowmem_tpu.config import ShardingSection
+from lowmem_tpu.model import layer_class
+from lowmem_tpu.xla.runtime import Runtime
+
+
+def partition_spec(shape: torch.Size, strategy: str) -> tuple[str | None, ...]:
+    """FSDP shards a tensor's largest dimension over the ``fsdp`` axis (the rule FSDPv2 uses)."""
+    spec: list[str | None] = [None] * len(shape)
+    if strategy == "fsdp" and spec:
+        spec[max(range(len(shape)), key=lambda i: shape[i])] = "fsdp"
+    return tuple(spec)
+
+
+def place_parameters(model: nn.Module, runtime: Runtime, strategy: str) -> None:
+    """Move every parameter and buffer to the XLA devices, sharding each as it arrives.
+
+    Parameters are replaced by new ones on the device (tied weights stay tied), so
+    references to the old host parameters must be taken after this call.
+    """
+    import torch_xla.distributed.spmd as xs
+
+    placed: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if id(param) not in placed:
+                moved = param.detach().to(runtime.device)
+                xs.mark_sharding(moved, runtime.mesh, partition_spec(moved.shape, strategy))
+                placed[id(param)] = nn.Parameter(moved, requires_grad=param.requires_grad)
+            module._parameters[name] = placed[id(param)]
+        for name, buf in list(module.named_buffers(recurse=False)):
+            module._buffers[name] = buf.to(runtime.device)
+
+
+def shard_like(tensor: torch.Tensor, param: torch.Tensor, runtime: Runtime, strategy: str) -> None:
+    """Give a device tensor shaped like ``param`` (e.g. its optimizer state) the same sharding."""
+    import torch_xla.distributed.spmd as xs
+
+    xs.mark_sharding(tensor, runtime.mesh, partition_spec(param.shape, strategy))
+
+
+def shard_output(output: Any, mesh: Any) -> None:
+    """Shard the model output along the batch; TRL's fused LM head returns ``logits=None``.
+
+    The first batch-major tensor (logits, else per-token log-probs) is annotated; a
+    scalar-only output (the loss) needs nothing.
+    """
+    import torch_xla.distributed.spmd as xs
+
+    if isinstance(output, torch.Tensor):
+        candidates = [output]
+    elif isinstance(output, tuple):
+        candidates = list(output)
+    else:
+        candidates = [getattr(output, "logits", None), *(output.values() if hasattr(output, "values") else [])]
+    for tensor in candidates:
+        if isinstance(tensor, torch.Tensor) and tensor.dim() >= 2:
+            xs.mark_sharding(tensor, mesh, ("fsdp", *([None] * (tensor.dim() - 1))))
+            return
+
+
+def wrap_model(model: nn.Module, cfg: ShardingSection, runtime: Runtime) -> nn.Module:
+    """Wrap every decoder layer (checkpointed if asked) and the whole model in FSDPv2.
+
+    With ``scan_layers`` the layers are scanned instead (their weights stay sharded as placed,
+    gathered one layer at a time inside the scan) and only the whole model is wrapped.
+    """
+    import functools
+
+    from torch_xla.distributed.fsdp import checkpoint_module
+    from torch_xla.distributed.fsdp.wrap import transformer_auto_wrap_policy
+    from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel as FSDPv2
+
+    layer = layer_class(model, cfg.layer_class)
+    if cfg.scan_layers:
+        from lowmem_tpu.xla.scan import scan_decoder
+
+        scan_decoder(model, layer, cfg.activation_checkpointing)
+        return FSDPv2(model, mesh=runtime.mesh, shard_output=shard_output)
+    policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={layer})
+
+    def wrap_layer(module: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+        if cfg.activation_checkpointing:
+            module = checkpoint_module(module)
+        return FSDPv2(module, *args, **kwargs)
+
+    if cfg.activation_checkpointing and hasattr(model, "enable_input_require_grads"):
+        # torch_xla skips checkpointing a layer whose inputs need no grad: with a frozen
+        # embedding (LoRA) that would be the first layer. Make the embedding output need grad.
+        model.enable_input_require_grads()
+    return FSDPv2(
+        model,
+        mesh=runtime.mesh,
+        shard_output=shard_output,
+        auto_wrap_policy=policy,
+        auto_wrapper_callable=wrap_layer,
+    )

@@ -1,0 +1,113 @@
+"""The layout's rules, read from the source: who may import what, module size, no cycles, light start-up."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "lowmem_tpu"
+MAX_LINES = 400
+
+# Which of our parts each part may import (besides ``errors``, ``files`` and ``console``, which import
+# nothing of ours). ``sft`` and ``cli`` compose everything.
+MAY_IMPORT = {
+    "config": {"config"},
+    "model": {"config", "model"},
+    "data": {"config", "data"},
+    "xla": {"config", "model", "xla"},
+    "train": {"config", "model", "data", "xla", "train"},
+    "evaluate": set(),
+    "memory": {"config", "model", "xla", "train", "memory"},
+    "publish": {"config", "model", "publish"},
+}
+BASICS = {"errors", "files", "console"}
+
+
+def modules() -> dict[str, Path]:
+    return {
+        ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__"): path
+        for path in sorted(PACKAGE.rglob("*.py"))
+    }
+
+
+def imports(path: Path, top_level_only: bool = False) -> set[str]:
+    """Absolute module names imported by a file (every import, or only those run when it is imported)."""
+    tree = ast.parse(path.read_text())
+    nodes = tree.body if top_level_only else ast.walk(tree)
+    found = set()
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+            found |= {f"{node.module}.{alias.name}" for alias in node.names}
+    return found
+
+
+def part(module: str) -> str:
+    return module.split(".")[1] if "." in module else ""
+
+
+def test_torch_xla_is_imported_from_the_xla_folder_only():
+    offenders = [
+        name
+        for name, path in modules().items()
+        if part(name) != "xla" and any(m.split(".")[0] == "torch_xla" for m in imports(path))
+    ]
+    assert offenders == []
+
+
+def test_each_part_imports_only_what_it_may():
+    ours = set(modules())
+    problems = []
+    for name, path in modules().items():
+        own = part(name)
+        if own not in MAY_IMPORT:
+            continue
+        for imported in imports(path):
+            if imported in ours and imported != "lowmem_tpu":
+                target = part(imported)
+                if target not in MAY_IMPORT[own] | BASICS:
+                    problems.append(f"{name} imports {imported}")
+    assert problems == []
+
+
+def test_basic_modules_import_nothing_of_ours_but_errors():
+    for basic in BASICS:
+        ours = {m for m in imports(PACKAGE / f"{basic}.py") if m.startswith("lowmem_tpu")}
+        assert ours <= {"lowmem_tpu.errors"}, basic
+
+
+def test_no_module_is_over_the_size_limit():
+    long = {name: n for name, path in modules().items() if (n := len(path.read_text().splitlines())) > MAX_LINES}
+    assert long == {}
+
+
+def test_module_level_imports_have_no_cycle():
+    ours = set(modules())
+    graph = {
+        name: {m for m in imports(path, top_level_only=True) if m in ours and m != name}
+        for name, path in modules().items()
+    }
+    state: dict[str, str] = {}
+
+    def visit(node: str, trail: list[str]) -> None:
+        state[node] = "open"
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                pytest.fail("import cycle: " + " -> ".join([*trail, node, nxt]))
+            if nxt not in state:
+                visit(nxt, [*trail, node])
+        state[node] = "done"
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [])
+
+
+def test_every_folder_says_what_it_owns():
+    for init in PACKAGE.glob("*/__init__.py"):
+        doc = ast.get_docstring(ast.parse(init.read_text()))
+        assert doc and len(doc) > 80, f"{init.parent.name}/__init__.py needs a docstring on what it owns"
