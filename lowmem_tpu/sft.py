@@ -93,6 +93,9 @@ def run_sft(recipe: Recipe, overwrite: bool = False, force_resume: bool = False)
         from lowmem_tpu.console import quiet_python_warnings
 
         quiet_python_warnings()  # before datasets prints its progress bars
+    from lowmem_tpu.train.metrics import check_reporters
+
+    check_reporters(recipe.train.reporters)  # a missing integration fails now, not after loading
     if recipe.hub.push:
         from lowmem_tpu.publish.hub import check_push_ready
 
@@ -178,7 +181,7 @@ def _build(recipe: Recipe, runtime, tokenizer, train_ds, eval_ds, micro: int, ou
     from lowmem_tpu.config import parse_duration
     from lowmem_tpu.console import say
     from lowmem_tpu.train.guard import GuardCallback
-    from lowmem_tpu.train.metrics import MetricsCallback
+    from lowmem_tpu.train.metrics import JsonlLog, MetricsCallback
     from lowmem_tpu.train.progress import ProgressCallback
     from lowmem_tpu.train.trainer import build_trainer
     from lowmem_tpu.xla.sharding import place_parameters
@@ -200,7 +203,7 @@ def _build(recipe: Recipe, runtime, tokenizer, train_ds, eval_ds, micro: int, ou
     wall = parse_duration(t.max_wall_time) if t.max_wall_time else None
     guard = GuardCallback(wall, t.loss_spike_factor, say, skip_nonfinite=t.on_nonfinite == "skip")
     flops = m.flops_per_token(model.config, total, trainable, recipe.data.max_length, recipe.lora.enabled)
-    callbacks = [metrics, guard, ProgressCallback()]
+    callbacks = [metrics, guard, JsonlLog(recipe.output_dir), ProgressCallback()]
     trainer = build_trainer(
         recipe, runtime, model, train_ds, tokenizer, micro, callbacks, eval_dataset=eval_ds, flops_per_token=flops
     )
@@ -257,6 +260,9 @@ def _metrics(recipe, runtime, job: Job, data_stats, before, after, result, train
     steps = recipe.train.max_steps
     warmup = cb.warmup_end(steps)
     by_step = cb.compiles_by_step
+    # A save at step s runs after step s is counted and before step s + 1 is: take it out of the steps.
+    saves = job.trainer.save_compiles
+    saved_in = lambda first, last: sum(c for s, c in saves.items() if first <= s < last)  # noqa: E731
     logs = [entry for entry in cb.logs if "loss" in entry]
     steady = [entry for entry in logs if entry["step"] > warmup and "tokens_per_second" in entry]
     mean = lambda key: sum(e[key] for e in steady) / len(steady) if steady else None  # noqa: E731
@@ -286,12 +292,14 @@ def _metrics(recipe, runtime, job: Job, data_stats, before, after, result, train
         "eval": {"before": before, "after": after},
         "compiles": {
             "warmup_steps": warmup,
-            "during_warmup": by_step.get(warmup, 0),
-            "after_warmup": by_step.get(steps, 0) - by_step.get(warmup, 0),
+            "during_warmup": by_step.get(warmup, 0) - saved_in(0, warmup),
+            "after_warmup": by_step.get(steps, 0) - by_step.get(warmup, 0) - saved_in(warmup, steps),
+            "at_saves": {str(step): count for step, count in sorted(saves.items())},
             "total": compile_count() - cb.compiles_at_start,
             "seconds": round(compile_seconds() - cb.compile_seconds_at_start, 2),
             "persistent_cache": {"dir": runtime.compile_cache_dir, **cache_stats()},
         },
+        "checkpoints": {"seconds": {str(s): t for s, t in sorted(job.trainer.save_seconds.items())}},
         "time": {"train_seconds": round(train_seconds, 1)},
     }
 
@@ -330,10 +338,16 @@ def _summary(recipe: Recipe, metrics: dict[str, Any], final: Path) -> None:
     tps = metrics["train"]["steady_tokens_per_second"]
     rows += [
         ("tokens/s (steady)", f"{tps:,.0f}" if tps else "n/a"),
-        ("compiles", f"{metrics['compiles']['during_warmup']} in warm-up, {metrics['compiles']['after_warmup']} after"),
+        ("compiles", _compiles(metrics["compiles"])),
         ("output", str(final)),
     ]
     print("\nsummary\n" + table(rows), flush=True)
+
+
+def _compiles(c: dict[str, Any]) -> str:
+    saves = list(c["at_saves"].values())
+    at_saves = f", {sum(saves)} at {len(saves)} saves" if saves else ""
+    return f"{c['during_warmup']} in warm-up, {c['after_warmup']} after{at_saves}"
 
 
 def _fmt(value: float | None) -> str:

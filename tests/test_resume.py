@@ -162,3 +162,41 @@ def test_sigkill_during_a_save_leaves_the_previous_checkpoint_usable(uninterrupt
     whole, after = _losses(uninterrupted), _losses(out)
     for step, loss in after.items():
         assert loss == pytest.approx(whole[step], abs=1e-6), (step, loss, whole[step])
+
+
+# Full fine-tuning, logging every 3 steps: the saves at steps 2 and 4 fall between logs.
+FULL = ["lora.enabled=false", "train.learning_rate=1e-3", "train.logging_steps=3"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_full(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("whole-full")
+    proc = subprocess.run(_cmd(out, *FULL), capture_output=True, text=True, env=_env(), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+def test_full_fine_tuning_resumes_exactly_from_a_save_between_logs(uninterrupted_full, tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.Popen(_cmd(out, *FULL), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    for line in proc.stdout:
+        if line.startswith("step 3/8"):
+            proc.send_signal(signal.SIGTERM)
+            break
+    "".join(proc.stdout)
+    assert proc.wait(timeout=300) == 143, proc.stderr.read()[-3000:]
+    assert not (out / "final").exists()
+    # The curve of the stopped run was written as it went.
+    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in logged if "loss" in e] == [3]
+
+    resumed = subprocess.run(_cmd(out, *FULL), capture_output=True, text=True, env=_env(), timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from" in resumed.stdout
+    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in logged if "loss" in e] == [3, 6]
+    a = load_file(str(uninterrupted_full / "final" / "model.safetensors"))
+    b = load_file(str(out / "final" / "model.safetensors"))
+    assert a.keys() == b.keys() and len(a) > 10
+    for key in a:
+        assert torch.allclose(a[key], b[key], atol=1e-6, rtol=0), key

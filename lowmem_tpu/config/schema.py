@@ -209,6 +209,17 @@ class TrainSection(Section):
     loss_spike_factor: float = Field(
         5.0, ge=0, description="Warn when a logged loss exceeds this many times the running mean (0: never)."
     )
+    report_to: list[Literal["tensorboard", "wandb"]] | Literal["none", "tensorboard", "wandb"] = Field(
+        "none",
+        description="Also send every log to tensorboard (output_dir/runs; pip install tensorboard) "
+        "and/or wandb; output_dir/metrics.jsonl is always written.",
+    )
+
+    @property
+    def reporters(self) -> list[str]:
+        """``report_to`` as a list of integrations (empty for none)."""
+        value = self.report_to
+        return [] if value == "none" else [value] if isinstance(value, str) else list(dict.fromkeys(value))
 
     @field_validator("max_wall_time")
     @classmethod

@@ -88,17 +88,6 @@ def _lookup(data: dict[str, Any], dotted: str) -> Any:
     return data
 
 
-def host_tree(value: Any) -> Any:
-    """A copy of a (nested) state dict with every tensor on the host."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
-    if isinstance(value, dict):
-        return {k: host_tree(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(host_tree(v) for v in value)
-    return value
-
-
 def save_trainable(state: dict[str, torch.Tensor], directory: Path) -> None:
     from safetensors.torch import save_file
 

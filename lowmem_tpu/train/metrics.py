@@ -1,10 +1,72 @@
-"""What a run measures about itself: the log history and XLA compilations per step."""
+"""What a run measures about itself: the log history (also as ``metrics.jsonl``, line by line as it
+happens) and XLA compilations per step; which reporting integrations are installed."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import time
+from pathlib import Path
+from typing import Any
+
 from transformers import TrainerCallback
 
+from lowmem_tpu.errors import UserError
+from lowmem_tpu.xla import device
 from lowmem_tpu.xla import runtime as rt
+
+JSONL = "metrics.jsonl"
+# The package each train.report_to integration needs (transformers' own callbacks import them).
+INTEGRATIONS = {
+    "tensorboard": ("tensorboard", "pip install -c constraints.txt -e '.[tensorboard]'"),
+    "wandb": ("wandb", "pip install wandb"),
+}
+
+
+def check_reporters(reporters: list[str]) -> None:
+    """A UserError naming the missing package and the command that installs it, before anything loads."""
+    missing = [
+        (name, *INTEGRATIONS[name]) for name in reporters if importlib.util.find_spec(INTEGRATIONS[name][0]) is None
+    ]
+    if missing:
+        raise UserError(
+            [
+                f"train.report_to: {name} needs the {package} package, which is not installed: {fix} "
+                "(or drop it from train.report_to)"
+                for name, package, fix in missing
+            ]
+        )
+
+
+class JsonlLog(TrainerCallback):
+    """Appends one JSON object per log to ``output_dir/metrics.jsonl`` and flushes it at once.
+
+    A crashed or preempted run keeps its curve. A resumed run first drops the lines after its
+    checkpoint's step (the run that wrote them was lost), so the file reads as one run.
+    """
+
+    def __init__(self, output_dir: str | Path):
+        self.path = Path(output_dir) / JSONL
+
+    def on_train_begin(self, args, state, control, **kwargs) -> None:
+        kept = []
+        if state.global_step and self.path.exists():
+            for line in self.path.read_text().splitlines():
+                try:
+                    if json.loads(line).get("step", 0) <= state.global_step:
+                        kept.append(line)
+                except json.JSONDecodeError:
+                    continue  # a line cut by a crash
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text("".join(f"{line}\n" for line in kept))
+
+    def on_log(self, args, state, control, logs=None, **kwargs) -> None:
+        entry: dict[str, Any] = {"step": state.global_step, "time": round(time.time(), 3), **(logs or {})}
+        memory = device.memory_info()
+        if memory:
+            entry["memory"] = memory
+        with self.path.open("a") as f:
+            f.write(json.dumps(entry) + "\n")
 
 
 class MetricsCallback(TrainerCallback):

@@ -13,7 +13,6 @@ per-step ``.item()`` calls would cut every step's graph in two and sync the host
 
 from __future__ import annotations
 
-import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -25,10 +24,12 @@ from trl import SFTConfig, SFTTrainer
 from lowmem_tpu.config import Recipe
 from lowmem_tpu.data import collate
 from lowmem_tpu.errors import NonFiniteError
+from lowmem_tpu.files import fresh_partial
 from lowmem_tpu.model.names import ParamNames
 from lowmem_tpu.train import checkpoint as ckpt
 from lowmem_tpu.xla import runtime as rt
 from lowmem_tpu.xla.sharding import shard_like, wrap_model
+from lowmem_tpu.xla.transfer import to_host
 
 OPTIMIZERS = {"adamw": "adamw_torch", "adafactor": "adafactor"}
 
@@ -53,7 +54,7 @@ def training_args(recipe: Recipe, micro_batch: int) -> SFTConfig:
         eval_steps=t.eval_steps,
         save_strategy="steps" if t.save_steps else "no",
         save_steps=t.save_steps or 500,
-        report_to=[],
+        report_to=t.reporters,
         seed=t.seed,
         data_seed=t.seed,
         bf16=False,  # weights are already in the recipe's dtype; no autocast
@@ -115,6 +116,8 @@ class XlaSFTTrainer(SFTTrainer):
         self.flops_per_token = flops_per_token
         self._fsdp_model: torch.nn.Module | None = None
         self._totals: dict[str, torch.Tensor] = {}
+        self.save_compiles: dict[int, int] = {}  # step -> XLA compilations its checkpoint caused
+        self.save_seconds: dict[int, float] = {}  # step -> seconds its checkpoint took
         self._last_log: tuple[float, dict[str, float]] | None = None
         super().__init__(data_collator=collate, **kwargs)
 
@@ -221,24 +224,22 @@ class XlaSFTTrainer(SFTTrainer):
 
     # Checkpoints: our own format (clean names, sharded optimizer state), the Trainer's RNG and state files.
     def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
-        step = self.state.global_step
-        partial = ckpt.checkpoints_dir(self.args.output_dir) / f"step-{step}.partial"
-        if partial.exists():
-            shutil.rmtree(partial)
-        partial.mkdir(parents=True)
-        trainable = {n: p for n, p in self.names.params.items() if p.requires_grad}
-        host = ckpt.host_tree(trainable)
-        bad = [n for n, v in host.items() if not torch.isfinite(v).all()]
+        step, compiles, started = self.state.global_step, rt.compile_count(), time.perf_counter()
+        trainable = {n: p.detach() for n, p in self.names.params.items() if p.requires_grad}
+        host = to_host({"trainable": trainable, "optimizer": self.optimizer.state_dict()})
+        bad = [n for n, v in host["trainable"].items() if not torch.isfinite(v).all()]
         if bad:
-            shutil.rmtree(partial)
             raise NonFiniteError(f"step {step}: non-finite values in {bad[0]}; no checkpoint written")
-        ckpt.save_trainable(host, partial)
-        torch.save(ckpt.host_tree(self.optimizer.state_dict()), partial / ckpt.OPTIMIZER)
+        partial = fresh_partial(ckpt.checkpoints_dir(self.args.output_dir) / f"step-{step}")
+        ckpt.save_trainable(host["trainable"], partial)
+        torch.save(host["optimizer"], partial / ckpt.OPTIMIZER)
         torch.save(self.lr_scheduler.state_dict(), partial / ckpt.SCHEDULER)
         self._save_rng_state(str(partial))
         self.state.save_to_json(str(partial / "trainer_state.json"))
         (partial / ckpt.RECIPE).write_text(self.recipe.to_yaml())
         self.last_checkpoint = ckpt.finish(partial, self.recipe.train.keep_last)
+        self.save_compiles[step] = rt.compile_count() - compiles
+        self.save_seconds[step] = round(time.perf_counter() - started, 3)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         strategy = self.recipe.sharding.strategy

@@ -1,0 +1,66 @@
+"""Copying device state to the host without compiling anything: one graph cut, then raw shards.
+
+torch_xla copies a sharded tensor to the host by compiling a program that replicates it
+(``ReplicateShardedData``) and does so again at every copy, one program per tensor: a checkpoint
+of 168 LoRA tensors compiled 168 programs every time. Each device's shard is already a buffer,
+so here the shards are fetched as they are (``_get_local_shards``, with the index ranges from
+``_get_local_shard_replica_and_indices``: what torch_xla 2.9's distributed checkpoint planners use,
+experimental/distributed_checkpoint/_helpers.py) and the tensor is reassembled on the host.
+Single-process SPMD only: every shard is local (one process drives every device of the VM).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+
+def to_host(tree: Any) -> Any:
+    """A nested state (dicts, lists, tuples) with every XLA tensor copied to the host.
+
+    The step's lazy graph is cut first: a tensor copied while the step is still pending would
+    rerun the whole step for that one tensor. That graph is the step the device loader would have
+    cut anyway, so it is a cache hit. A graph cut advances the XLA RNG seed, so the seed is put
+    back: a run that saves draws the same dropout masks as one that does not. Host tensors and
+    non-tensors are left as they are.
+    """
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    seed = xm.get_rng_state()
+    torch_xla.sync()
+    xm.set_rng_state(seed)
+    leaves, spec = tree_flatten(tree)
+    on_device = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and leaf.device.type == "xla"]
+    tensors = [leaves[i].detach() for i in on_device]
+    sharded = [bool(torch_xla._XLAC._get_xla_sharding_spec(t)) for t in tensors]
+    plain = [t for t, s in zip(tensors, sharded, strict=True) if not s]
+    with_shards = [t for t, s in zip(tensors, sharded, strict=True) if s]
+    host_plain = iter(torch_xla._XLAC._xla_get_cpu_tensors(plain) if plain else [])
+    host_sharded = iter(_assemble(with_shards))
+    for i, is_sharded in zip(on_device, sharded, strict=True):
+        leaves[i] = next(host_sharded) if is_sharded else next(host_plain)
+    return tree_unflatten(leaves, spec)
+
+
+def _assemble(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Host copies of sharded tensors, put together from their devices' shards (padding dropped)."""
+    import torch_xla
+
+    if not tensors:
+        return []
+    shards = torch_xla._XLAC._get_local_shards(tensors)
+    places = torch_xla._XLAC._get_local_shard_replica_and_indices(tensors)
+    out = []
+    for tensor, tensor_shards, tensor_places in zip(tensors, shards, places, strict=True):
+        whole = torch.empty(tensor.shape, dtype=tensor.dtype)
+        for (data, _device), (_replica, indices) in zip(tensor_shards, tensor_places, strict=True):
+            if indices is Ellipsis:  # replicated: any shard is the whole tensor
+                whole.copy_(data)
+                break
+            unpadded = tuple(slice(0, s.stop - s.start) for s in indices)
+            whole[tuple(indices)] = data[unpadded]
+        out.append(whole)
+    return out
