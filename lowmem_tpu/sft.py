@@ -108,19 +108,11 @@ def run_sft(recipe: Recipe, overwrite: bool = False, force_resume: bool = False)
     resume = find_resume(recipe, out, force_resume)
     say("loading tokenizer and data")
     tokenizer = model.load_tokenizer(recipe.model)
-    train_ds, data_stats = data.build_dataset(recipe.data, tokenizer)
-    eval_ds = prompts = None
-    if recipe.data.eval_path:
-        eval_ds, _ = data.build_dataset(
-            recipe.data, tokenizer, path=recipe.data.eval_path, split=recipe.data.eval_split or recipe.data.split
-        )
-        if recipe.train.eval_samples:
-            prompts = data.exact_match_prompts(recipe.data, tokenizer, recipe.data.eval_path, recipe.train.eval_samples)
-    d = data_stats
-    say(
-        f"data: {d['samples']:,} samples -> {d['rows']:,} rows of {recipe.data.max_length} tokens "
-        f"({d['truncated']} truncated, {d['dropped']} dropped, {d['trained_tokens']:,} trained tokens)"
-    )
+    model.check_vocabulary(tokenizer, model.load_config(recipe.model, offline=True) or model.load_config(recipe.model))
+    chosen = data.set_chat_template(tokenizer, recipe.data)
+    if chosen:
+        say(chosen)
+    train_ds, data_stats, eval_ds, prompts = _data(recipe, tokenizer, out)
 
     from lowmem_tpu.xla.runtime import setup_runtime
 
@@ -160,6 +152,28 @@ def run_sft(recipe: Recipe, overwrite: bool = False, force_resume: bool = False)
 
         say(f"pushed {final} to {recipe.hub.repo_id}: {push_after_training(final, recipe)}")
     return SftRun(metrics, final, job.trainer, job.names)
+
+
+def _data(recipe: Recipe, tokenizer: Any, out: Path) -> tuple[Any, dict[str, Any], Any, Any]:
+    """Training rows, held-out rows and exact-match prompts (tokenized once, then read from the cache)."""
+    from lowmem_tpu import data
+    from lowmem_tpu.console import say
+
+    cache_dir = out / "data_cache"
+    train_ds, stats = data.build_dataset(recipe.data, tokenizer, cache_dir=cache_dir)
+    cached = ", from the cache" if stats["cached"] else ""
+    say(
+        f"data: {stats['samples']:,} samples -> {stats['rows']:,} rows of {recipe.data.max_length} tokens "
+        f"({stats['truncated']} truncated, {stats['dropped']} dropped, {stats['trained_tokens']:,} trained tokens"
+        f"{cached})"
+    )
+    eval_ds = prompts = None
+    if recipe.data.eval_path or recipe.data.eval_fraction:
+        eval_ds, held = data.build_dataset(recipe.data, tokenizer, role="eval", cache_dir=cache_dir)
+        say(f"held-out data: {held['samples']:,} samples -> {held['rows']:,} rows")
+        if recipe.train.eval_samples:
+            prompts = data.exact_match_prompts(recipe.data, tokenizer, None, recipe.train.eval_samples)
+    return train_ds, stats, eval_ds, prompts
 
 
 def _train(job: Job, resume: Path | None) -> Any:
@@ -316,7 +330,10 @@ def _save(recipe: Recipe, job: Job, tokenizer, out: Path, metrics: dict[str, Any
         check_adapter(partial, keys)
     else:
         save_full_model(job.model, job.names, partial)
+    # Saved for generation: left padding, so batched prompts end where the new tokens start.
+    tokenizer.padding_side = tokenizer.init_kwargs["padding_side"] = "left"
     tokenizer.save_pretrained(partial)
+    tokenizer.padding_side = tokenizer.init_kwargs["padding_side"] = "right"
     (partial / "recipe.yaml").write_text(recipe.to_yaml())
     publish(partial, final)
     say(f"saved {'adapter' if recipe.lora.enabled else 'model'} to {final}")

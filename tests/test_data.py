@@ -74,6 +74,7 @@ def test_text_trains_every_token_and_ends_with_eos(tok, tmp_path):
         "longest": 7,
         "tokens": 11,
         "trained_tokens": 11,
+        "cached": False,
     }
 
 

@@ -346,8 +346,8 @@ def test_hub_push_needs_a_repo_id():
 def test_eval_samples_and_steps_need_an_eval_path():
     found = problems_of(["data.eval_path=null", "train.eval_samples=3", "train.eval_steps=5"])
     assert found == [
-        "train.eval_samples: needs data.eval_path (held-out prompts to score)",
-        "train.eval_steps: needs data.eval_path (without it nothing would be evaluated)",
+        "train.eval_samples: needs data.eval_path or data.eval_fraction (held-out prompts to score)",
+        "train.eval_steps: needs data.eval_path or data.eval_fraction (without one nothing is evaluated)",
     ]
 
 

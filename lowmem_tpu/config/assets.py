@@ -9,6 +9,12 @@ BUILTIN = "builtin:"
 ASSETS = Path(__file__).parent.parent / "assets"
 DATA_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+CHAT_TEMPLATES = ASSETS / "chat_templates"
+
+
+def chat_template_names() -> list[str]:
+    """The chat templates shipped by name (``data.chat_template: plain``)."""
+    return sorted(p.stem for p in CHAT_TEMPLATES.glob("*.jinja"))
 
 
 def resolve_builtin(value: str) -> Path:

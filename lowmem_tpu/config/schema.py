@@ -8,12 +8,13 @@ top-level ``output_dir`` and ``extends``. Every field has a description (they fe
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from lowmem_tpu.config.assets import BUILTIN, builtin_has_weights, check_source
+from lowmem_tpu.config.assets import BUILTIN, builtin_has_weights, chat_template_names, check_source, looks_local
 from lowmem_tpu.config.platform import on_tpu
 from lowmem_tpu.errors import UserError
 
@@ -106,8 +107,21 @@ class DataSection(Section):
         description="Training data: local JSONL/JSON/CSV/Parquet file, Hub dataset, or builtin:NAME.",
     )
     split: str = Field("train", description="Split to read from a Hub dataset.")
+    subset: str | None = Field(None, description="Configuration (subset) of a Hub dataset, e.g. 'en'.")
     eval_path: str | None = Field(None, description="Held-out data in the same format (file or Hub dataset).")
-    eval_split: str | None = Field(None, description="Split of a Hub dataset to evaluate on.")
+    eval_split: str | None = Field(None, description="Split of eval_path to evaluate on (default: split).")
+    eval_fraction: float = Field(
+        0.0,
+        ge=0,
+        le=0.5,
+        description="Without eval_path: hold out this fraction of the training records for evaluation "
+        "(a fixed seed: the same records in every run); they are never trained on.",
+    )
+    chat_template: str | None = Field(
+        None,
+        description="Chat template for format chat: plain or chatml (shipped), or a Jinja file "
+        "(default: the tokenizer's own, else plain). Saved with the tokenizer in final/.",
+    )
     format: Literal["text", "alpaca", "chat"] = Field(
         "chat", description="text: a text field; alpaca: instruction/input/output; chat: messages."
     )
@@ -127,6 +141,14 @@ class DataSection(Section):
     @classmethod
     def _exists(cls, value: str | None) -> str | None:
         return None if value is None else check_source(value, "dataset")
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template(cls, value: str | None) -> str | None:
+        if value is None or value in chat_template_names() or Path(value).expanduser().is_file():
+            return value
+        names = ", ".join(chat_template_names())
+        raise ValueError(f"{value!r} is neither a shipped template ({names}) nor a Jinja file that exists")
 
 
 class ShardingSection(Section):
@@ -201,6 +223,11 @@ class TrainSection(Section):
     max_wall_time: str | None = Field(
         None, description="Save and stop cleanly before this much time has passed, e.g. 8h30m, 45m, 90s."
     )
+    master_weights: bool | None = Field(
+        None,
+        description="fp32 copies of bf16 trainable weights for the optimizer (+4 bytes/param, sharded): "
+        "updates below half a bf16 ULP would round to nothing (default: on for bf16 full fine-tuning).",
+    )
     on_nonfinite: Literal["stop", "skip"] = Field(
         "stop",
         description="NaN/Inf loss or gradients: stop the run at that logging step, or skip that update "
@@ -227,6 +254,13 @@ class TrainSection(Section):
         if value is not None:
             parse_duration(value)
         return value
+
+
+def uses_master_weights(recipe: Recipe) -> bool:
+    """Whether the optimizer keeps fp32 master weights: ``train.master_weights``, else bf16 full fine-tuning."""
+    if recipe.train.master_weights is not None:
+        return recipe.train.master_weights
+    return not recipe.lora.enabled and recipe.model.dtype == "bfloat16"
 
 
 class HubSection(Section):
@@ -304,12 +338,32 @@ def cross_problems(recipe: Recipe) -> list[tuple[tuple[str, ...], str]]:
         problems.append((("model.quantize", "sharding.scan_layers"), message))
     if recipe.hub.push and not recipe.hub.repo_id:
         problems.append((("hub.push", "hub.repo_id"), "hub.repo_id: required when hub.push is true (OWNER/NAME)"))
-    if t.eval_samples and not data.eval_path:
-        message = "train.eval_samples: needs data.eval_path (held-out prompts to score)"
-        problems.append((("train.eval_samples", "data.eval_path"), message))
-    if t.eval_steps and not data.eval_path:
-        message = "train.eval_steps: needs data.eval_path (without it nothing would be evaluated)"
-        problems.append((("train.eval_steps", "data.eval_path"), message))
+    held_out = data.eval_path or data.eval_fraction
+    if t.eval_samples and not held_out:
+        message = "train.eval_samples: needs data.eval_path or data.eval_fraction (held-out prompts to score)"
+        problems.append((("train.eval_samples", "data.eval_path", "data.eval_fraction"), message))
+    if t.eval_steps and not held_out:
+        message = "train.eval_steps: needs data.eval_path or data.eval_fraction (without one nothing is evaluated)"
+        problems.append((("train.eval_steps", "data.eval_path", "data.eval_fraction"), message))
+    problems += _data_problems(data)
+    return problems
+
+
+def _data_problems(data: DataSection) -> list[tuple[tuple[str, ...], str]]:
+    problems: list[tuple[tuple[str, ...], str]] = []
+    if data.eval_path and data.eval_fraction:
+        message = "data.eval_fraction: held-out data is data.eval_path or a fraction of the training data, not both"
+        problems.append((("data.eval_path", "data.eval_fraction"), message))
+    if data.eval_path == data.path and (data.eval_split or data.split) == data.split:
+        message = (
+            f"data.eval_path: the same data and split as data.path ({data.split}): evaluation would score the "
+            "training records; set data.eval_split to a held-out split, or drop data.eval_path and set "
+            "data.eval_fraction"
+        )
+        problems.append((("data.eval_path", "data.eval_split", "data.path", "data.split"), message))
+    if data.subset and (data.path.startswith(BUILTIN) or looks_local(data.path)):
+        message = f"data.subset: {data.path} is a file; subsets (configurations) belong to Hub datasets"
+        problems.append((("data.subset", "data.path"), message))
     return problems
 
 

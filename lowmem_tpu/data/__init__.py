@@ -1,12 +1,15 @@
-"""Training data: load records (``loading``), format them (``formats``), cut them to static shapes (``rows``).
+"""Training data: load records (``loading``), pick the training or held-out ones (``splits``), format them
+(``formats``, with ``templates`` for chat), cut them to static shapes (``rows``), keep them (``cache``).
 
 Imports ``config`` and ``errors`` only, never ``xla`` or ``model``: a tokenizer comes in as an argument.
 ``datasets``, ``numpy`` and ``torch`` are imported inside the functions that use them.
 """
 
-from lowmem_tpu.data.formats import IGNORE_INDEX, alpaca_prompt, exact_match_prompts
+from lowmem_tpu.data.formats import IGNORE_INDEX, alpaca_prompt
 from lowmem_tpu.data.loading import DataError, load_records
-from lowmem_tpu.data.rows import COLUMNS, build_dataset, collate
+from lowmem_tpu.data.rows import COLUMNS, build_dataset, collate, exact_match_prompts
+from lowmem_tpu.data.splits import select_records
+from lowmem_tpu.data.templates import set_chat_template
 
 __all__ = [
     "COLUMNS",
@@ -17,4 +20,6 @@ __all__ = [
     "collate",
     "exact_match_prompts",
     "load_records",
+    "select_records",
+    "set_chat_template",
 ]

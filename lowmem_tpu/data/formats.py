@@ -6,10 +6,11 @@ learned; with ``data.mask_prompt`` that is the prompt (alpaca) or every non-assi
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from lowmem_tpu.config import DataSection
-from lowmem_tpu.data.loading import DataError, load_records
+from lowmem_tpu.data.loading import DataError
 
 if TYPE_CHECKING:
     import datasets
@@ -89,14 +90,17 @@ def check_tokenizer(tokenizer: Any, cfg: DataSection) -> None:
         raise DataError("the tokenizer has no pad token: set model.pad_token (padding is masked by position)")
     if cfg.format == "chat" and not getattr(tokenizer, "chat_template", None):
         raise DataError(
-            "data.format chat needs a chat template but the tokenizer has none: use a chat model's tokenizer "
-            "(model.tokenizer) or data.format alpaca/text"
+            "data.format chat needs a chat template but the tokenizer has none: set data.chat_template "
+            "(plain or chatml, shipped, or a Jinja file) or use data.format alpaca/text"
         )
     if cfg.format != "chat" and tokenizer.eos_token_id is None:
         raise DataError(f"data.format {cfg.format} ends every sample with EOS but the tokenizer has no eos token")
 
 
 # --------------------------------------------------------------------------- formatting
+#
+# Each format turns a record into the texts to tokenize, and the token ids of those texts into a
+# sample. Texts of many records are tokenized in one call (``encode_records``), not one call each.
 
 
 def _tokenize(tokenizer: Any, texts: list[str]) -> list[list[int]]:
@@ -120,21 +124,13 @@ def _alpaca_fields(record: dict[str, Any], where: str) -> tuple[str, str]:
     return alpaca_prompt(instruction, extra), _string(record, "output", where, "column")
 
 
-def _encode_text(record: dict[str, Any], cfg: DataSection, tokenizer: Any, where: str) -> Sample:
-    (ids,) = _tokenize(tokenizer, [_string(record, cfg.text_field, where, "data.text_field")])
-    ids = _bos(tokenizer) + ids + [tokenizer.eos_token_id]
-    return ids, list(ids)
-
-
-def _encode_alpaca(record: dict[str, Any], cfg: DataSection, tokenizer: Any, where: str) -> Sample:
-    prompt, output = _alpaca_fields(record, where)
-    # Prompt and output are tokenized apart so the boundary is exact and the prompt tokens are the very
-    # ones exact_match_prompts feeds to generation.
-    prompt_ids, output_ids = _tokenize(tokenizer, [prompt, output])
-    prompt_ids = _bos(tokenizer) + prompt_ids
-    completion = [*output_ids, tokenizer.eos_token_id]
-    prompt_labels = [IGNORE_INDEX] * len(prompt_ids) if cfg.mask_prompt else prompt_ids
-    return prompt_ids + completion, prompt_labels + completion
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def _render(tokenizer: Any, messages: list[dict[str, Any]], generation_prompt: bool, where: str) -> str:
@@ -144,51 +140,103 @@ def _render(tokenizer: Any, messages: list[dict[str, Any]], generation_prompt: b
         raise DataError(f"{where}: the chat template failed on this conversation: {err}") from err
 
 
-def _encode_chat(record: dict[str, Any], cfg: DataSection, tokenizer: Any, where: str) -> Sample:
-    """Tokens of the rendered conversation; with mask_prompt only the assistant turns are trained.
+def _text_texts(record: dict[str, Any], cfg: DataSection, tokenizer: Any, where: str) -> list[str]:
+    return [_string(record, cfg.text_field, where, "data.text_field")]
+
+
+def _text_sample(ids: list[list[int]], cfg: DataSection, tokenizer: Any, where: str) -> Sample:
+    tokens = _bos(tokenizer) + ids[0] + [tokenizer.eos_token_id]
+    return tokens, list(tokens)
+
+
+def _alpaca_texts(record: dict[str, Any], cfg: DataSection, tokenizer: Any, where: str) -> list[str]:
+    prompt, output = _alpaca_fields(record, where)
+    return [prompt, prompt + output]
+
+
+def _alpaca_sample(ids: list[list[int]], cfg: DataSection, tokenizer: Any, where: str) -> Sample:
+    """Prompt and answer tokenized as one text, as a user of the trained model will feed it.
+
+    Tokenized apart, a sentencepiece answer would start with the dummy prefix (``▁word`` after a
+    newline), a sequence the joined text never produces. The prompt's own tokens are a prefix of
+    the joined ones unless its last token merges with the answer's first; the boundary is where
+    the two first differ, so a merged token is trained as part of the answer.
+    """
+    prompt, joined = ids
+    boundary = len(_bos(tokenizer)) + _common_prefix(prompt, joined)
+    tokens = _bos(tokenizer) + joined + [tokenizer.eos_token_id]
+    labels = [IGNORE_INDEX] * boundary + tokens[boundary:] if cfg.mask_prompt else list(tokens)
+    return tokens, labels
+
+
+def _chat_texts(record: dict[str, Any], cfg: DataSection, tokenizer: Any, where: str) -> list[str]:
+    """The whole conversation, then, with mask_prompt, each assistant turn's start and end renderings.
 
     An assistant turn spans from the end of the conversation before it rendered with the generation
     prompt to the end of the conversation including it, so whatever the template appends after the
-    content (EOS, newline) is trained too. Both renderings must tokenize to prefixes of the whole.
+    content (EOS, newline) is trained too.
     """
     messages = _messages(record, cfg, where)
-    turns = [i for i, message in enumerate(messages) if message["role"] == "assistant"]
     texts = [_render(tokenizer, messages, False, where)]
     if cfg.mask_prompt:
-        for i in turns:
+        for i in (i for i, message in enumerate(messages) if message["role"] == "assistant"):
             texts += [
                 _render(tokenizer, messages[:i], True, where),
                 _render(tokenizer, messages[: i + 1], False, where),
             ]
-    ids, *prefixes = _tokenize(tokenizer, texts)
+    return texts
+
+
+def _chat_sample(ids: list[list[int]], cfg: DataSection, tokenizer: Any, where: str) -> Sample:
+    tokens, *prefixes = ids
     if not cfg.mask_prompt:
-        return ids, list(ids)
-    if any(ids[: len(prefix)] != prefix for prefix in prefixes):
+        return tokens, list(tokens)
+    if any(tokens[: len(prefix)] != prefix for prefix in prefixes):
         raise DataError(
             f"{where}: the chat template is not prefix-stable (a conversation rendered up to a turn does not "
             "tokenize to a prefix of the whole one), so the assistant turns cannot be located; "
             "set data.mask_prompt: false to train on every token"
         )
-    labels = [IGNORE_INDEX] * len(ids)
+    labels = [IGNORE_INDEX] * len(tokens)
     for start, end in zip(prefixes[::2], prefixes[1::2], strict=True):
-        labels[len(start) : len(end)] = ids[len(start) : len(end)]
-    return ids, labels
+        labels[len(start) : len(end)] = tokens[len(start) : len(end)]
+    return tokens, labels
 
 
-ENCODERS = {"text": _encode_text, "alpaca": _encode_alpaca, "chat": _encode_chat}
+FORMATS = {
+    "text": (_text_texts, _text_sample),
+    "alpaca": (_alpaca_texts, _alpaca_sample),
+    "chat": (_chat_texts, _chat_sample),
+}
+BATCH = 1000  # records tokenized per tokenizer call
 
 
-# --------------------------------------------------------------------------- evaluation and batching
+def encode_records(records: datasets.Dataset, cfg: DataSection, tokenizer: Any, source: str) -> Iterator[Sample]:
+    """(input_ids, labels) of every record, as int32 arrays, tokenizing ``BATCH`` records per call."""
+    import numpy as np
+
+    texts_of, sample_of = FORMATS[cfg.format]
+    for start in range(0, len(records), BATCH):
+        chunk = records.select(range(start, min(start + BATCH, len(records))))
+        where = [f"{source}: record {start + i}" for i in range(1, len(chunk) + 1)]
+        texts = [texts_of(record, cfg, tokenizer, w) for record, w in zip(chunk, where, strict=True)]
+        flat = _tokenize(tokenizer, [text for group in texts for text in group])
+        offset = 0
+        for group, w in zip(texts, where, strict=True):
+            ids, offset = flat[offset : offset + len(group)], offset + len(group)
+            yield tuple(np.asarray(part, dtype=np.int32) for part in sample_of(ids, cfg, tokenizer, w))
 
 
-def exact_match_prompts(
-    cfg: DataSection, tokenizer: Any, path: str, n: int, *, split: str | None = None
+# --------------------------------------------------------------------------- exact-match prompts
+
+
+def prompt_answer_pairs(
+    records: datasets.Dataset, cfg: DataSection, tokenizer: Any, source: str, n: int
 ) -> list[tuple[list[int], str]]:
-    """The first ``n`` records of ``path`` as (prompt token ids, expected answer) for greedy exact match.
+    """The first ``n`` records as (prompt token ids, expected answer) for greedy exact match.
 
     chat: the conversation before the last assistant turn with the generation prompt -> that turn's content.
-    alpaca: the prompt template without the output -> the output. ``split`` defaults to
-    ``cfg.eval_split`` or ``cfg.split``.
+    alpaca: the tokens before the answer in the joined text (the very ones training masks) -> the output.
     """
     if cfg.format == "text":
         raise DataError(
@@ -196,16 +244,17 @@ def exact_match_prompts(
             "use chat or alpaca data, or set train.eval_samples: 0"
         )
     check_tokenizer(tokenizer, cfg)
-    records = load_records(path, split or cfg.eval_split or cfg.split)
-    require_columns(records, cfg, path)
+    require_columns(records, cfg, source)
     records = records.select(range(min(max(n, 0), len(records))))
-    return [_prompt(record, cfg, tokenizer, f"{path}: record {i}") for i, record in enumerate(records, 1)]
+    return [_prompt(record, cfg, tokenizer, f"{source}: record {i}") for i, record in enumerate(records, 1)]
 
 
 def _prompt(record: dict[str, Any], cfg: DataSection, tokenizer: Any, where: str) -> tuple[list[int], str]:
     if cfg.format == "alpaca":
         prompt, output = _alpaca_fields(record, where)
-        return _bos(tokenizer) + _tokenize(tokenizer, [prompt])[0], output
+        ids = _tokenize(tokenizer, [prompt, prompt + output])
+        boundary = len(_bos(tokenizer)) + _common_prefix(*ids)
+        return (_bos(tokenizer) + ids[1])[:boundary], output
     messages = _messages(record, cfg, where)
     turns = [i for i, message in enumerate(messages) if message["role"] == "assistant"]
     if not turns:

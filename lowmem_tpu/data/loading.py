@@ -22,8 +22,9 @@ class DataError(UserError):
 # --------------------------------------------------------------------------- loading
 
 
-def load_records(path: str, split: str = "train") -> datasets.Dataset:
-    """Records of ``builtin:NAME``, a local .jsonl/.json/.csv/.parquet file (or directory), or a Hub dataset.
+def load_records(path: str, split: str = "train", subset: str | None = None) -> datasets.Dataset:
+    """Records of ``builtin:NAME``, a local .jsonl/.json/.csv/.parquet file (or directory), or a Hub dataset
+    (``subset``: its configuration).
 
     JSON files are checked line by line first, so a malformed one fails with its line number.
     """
@@ -37,10 +38,12 @@ def load_records(path: str, split: str = "train") -> datasets.Dataset:
         if not file.exists():
             raise DataError(f"data file not found: {path} (give an existing file or a Hub dataset id)")
         return _load_local(file, split)
+    named = f", subset {subset!r}" if subset else ""
     return _load(
         path,
-        f"could not load the Hub dataset {path!r} (split {split!r})",
-        "give a local .jsonl/.json/.csv/.parquet file instead (no network, or a wrong name or split?)",
+        f"could not load the Hub dataset {path!r} (split {split!r}{named})",
+        "give a local .jsonl/.json/.csv/.parquet file instead (no network, or a wrong name, subset or split?)",
+        name=subset,
         split=split,
     )
 
@@ -61,11 +64,11 @@ def _load_local(file: Path, split: str) -> datasets.Dataset:
     return records
 
 
-def _load(name: str, failure: str, fix: str, **kwargs: Any) -> datasets.Dataset:
+def _load(source: str, failure: str, fix: str, **kwargs: Any) -> datasets.Dataset:
     import datasets
 
     try:
-        return datasets.load_dataset(name, **kwargs)
+        return datasets.load_dataset(source, **kwargs)
     except Exception as err:  # datasets raises many types (network, schema, parse); all are user-facing here
         raise DataError(f"{failure}: {type(err).__name__}: {err}; {fix}") from err
 

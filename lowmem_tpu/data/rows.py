@@ -15,11 +15,21 @@ may be the EOS, which must still be learned.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lowmem_tpu.config import DataSection
-from lowmem_tpu.data.formats import ENCODERS, IGNORE_INDEX, Sample, check_tokenizer, require_columns
-from lowmem_tpu.data.loading import DataError, load_records
+from lowmem_tpu.data import cache
+from lowmem_tpu.data.formats import (
+    IGNORE_INDEX,
+    Sample,
+    check_tokenizer,
+    encode_records,
+    prompt_answer_pairs,
+    require_columns,
+)
+from lowmem_tpu.data.loading import DataError
+from lowmem_tpu.data.splits import Role, select_records
 
 if TYPE_CHECKING:
     import datasets
@@ -36,39 +46,60 @@ def build_dataset(
     cfg: DataSection,
     tokenizer: Any,
     *,
+    role: Role = "train",
     path: str | None = None,
     split: str | None = None,
     max_samples: int | None = None,
-) -> tuple[datasets.Dataset, dict[str, int]]:
-    """Load, format and tokenize ``path`` (default ``cfg.path``) into rows of exactly ``cfg.max_length`` tokens.
+    cache_dir: Path | None = None,
+) -> tuple[datasets.Dataset, dict[str, Any]]:
+    """Load, format and tokenize one part of the data into rows of exactly ``cfg.max_length`` tokens.
 
-    Every row has ``input_ids``, ``attention_mask`` and ``labels`` (unshifted, -100 on padding and masked
-    prompts), right-padded with the pad token. Samples longer than max_length follow ``cfg.too_long``
-    (with packing too: a split sample would lose its prompt); samples with no trained token left are
-    dropped. With ``cfg.packing`` the samples are concatenated and cut into full rows (only the last is
-    padded); this packing is naive: samples sharing a row can attend to each other.
+    ``role`` picks the records (``splits.select_records``: the training data, or the held-out data
+    of ``data.eval_path`` or ``data.eval_fraction``); ``path``/``split`` read another file instead.
+    Every row has ``input_ids``, ``attention_mask`` and ``labels`` (int32; unshifted, -100 on padding
+    and masked prompts), right-padded with the pad token. Samples longer than max_length follow
+    ``cfg.too_long`` (with packing too: a split sample would lose its prompt); samples with no trained
+    token left are dropped. With ``cfg.packing`` the samples are concatenated and cut into full rows
+    (only the last is padded); this packing is naive: samples sharing a row can attend to each other.
+    With ``cache_dir`` the rows are kept on disk, keyed by the records, the tokenizer and the settings,
+    and read back instead of tokenizing again.
 
     Returns the dataset and stats: samples (records read), rows, truncated, dropped, longest (tokens of
-    the longest sample), tokens (real tokens in the rows) and trained_tokens (labels that are not -100).
+    the longest sample), tokens (real tokens in the rows), trained_tokens (labels that are not -100),
+    and cached (whether the rows came from the cache).
     """
     import datasets
-    import numpy as np
 
     check_tokenizer(tokenizer, cfg)
-    path = path or cfg.path
-    records = load_records(path, split or cfg.split)
-    require_columns(records, cfg, path)
+    records, source = select_records(cfg, role, path=path, split=split)
+    require_columns(records, cfg, source)
     limit = max_samples if max_samples is not None else cfg.max_samples
     if limit is not None:
         records = records.select(range(min(limit, len(records))))
-    encode = ENCODERS[cfg.format]
-    # int32 arrays, not lists of Python ints: a large dataset is held in host memory at once.
-    samples = [
-        tuple(np.asarray(part, dtype=np.int32) for part in encode(record, cfg, tokenizer, f"{path}: record {i}"))
-        for i, record in enumerate(records, 1)
-    ]
-    if not samples:
-        raise DataError(f"{path}: no records to train on")
+    if not len(records):
+        raise DataError(f"{source}: no records to train on")
+    settings = cfg.model_dump(exclude={"eval_path", "eval_split"}) | {"role": role, "source": source, "limit": limit}
+    key = cache.cache_key(records._fingerprint, tokenizer, settings)
+    found = cache.load(cache_dir, key)
+    if found is None:
+        arrays, stats = _rows(records, cfg, tokenizer, source)
+        cache.save(cache_dir, key, arrays, stats)
+    else:
+        arrays, stats = found
+    return datasets.Dataset.from_dict(arrays), {**stats, "cached": found is not None}
+
+
+def exact_match_prompts(
+    cfg: DataSection, tokenizer: Any, path: str | None, n: int, *, split: str | None = None
+) -> list[tuple[list[int], str]]:
+    """The first ``n`` held-out records (``path``: of that file) as (prompt token ids, expected answer)."""
+    check_tokenizer(tokenizer, cfg)
+    records, source = select_records(cfg, "eval", path=path, split=split or cfg.eval_split)
+    return prompt_answer_pairs(records, cfg, tokenizer, source, n)
+
+
+def _rows(records: datasets.Dataset, cfg: DataSection, tokenizer: Any, source: str) -> tuple[dict, dict]:
+    samples = list(encode_records(records, cfg, tokenizer, source))
     kept, counts = _fit(samples, cfg)
     arrays = (_pack if cfg.packing else _pad)(kept, cfg.max_length, tokenizer.pad_token_id)
     stats = {
@@ -78,7 +109,7 @@ def build_dataset(
         "tokens": int(arrays["attention_mask"].sum()),
         "trained_tokens": int((arrays["labels"] != IGNORE_INDEX).sum()),
     }
-    return datasets.Dataset.from_dict(arrays), stats
+    return arrays, stats
 
 
 def _fit(samples: list[Sample], cfg: DataSection) -> tuple[list[Sample], dict[str, int]]:
@@ -138,9 +169,9 @@ def _empty(rows: int, length: int, pad_id: int) -> dict[str, np.ndarray]:
     import numpy as np
 
     return {
-        "input_ids": np.full((rows, length), pad_id, dtype=np.int64),
-        "attention_mask": np.zeros((rows, length), dtype=np.int64),
-        "labels": np.full((rows, length), IGNORE_INDEX, dtype=np.int64),
+        "input_ids": np.full((rows, length), pad_id, dtype=np.int32),
+        "attention_mask": np.zeros((rows, length), dtype=np.int32),
+        "labels": np.full((rows, length), IGNORE_INDEX, dtype=np.int32),
     }
 
 

@@ -91,10 +91,15 @@ def _bytes(tensors: list[Tensor], st: Setting) -> int:
 
 def optimizer_bytes(trainable: list[Tensor], st: Setting) -> int:
     """AdamW: two states shaped and typed like each parameter. Adafactor: fp32 row and column factors,
-    each split over the devices when it runs along the parameter's sharded dimension (measured)."""
+    each split over the devices when it runs along the parameter's sharded dimension (measured).
+    Master weights: an fp32 copy of each low-precision parameter, sharded like it, which AdamW's
+    states then follow (fp32)."""
+    copied = [st.master_weights and t.itemsize < 4 for t in trainable]
+    masters = [Tensor(t.shape, 4, True) for t, c in zip(trainable, copied, strict=True) if c]
+    fp32 = [t for t, c in zip(trainable, copied, strict=True) if not c] + masters
     if st.optimizer == "adamw":
-        return 2 * _bytes(trainable, st)
-    total = 0
+        return 2 * _bytes(fp32, st) + _bytes(masters, st)
+    total = _bytes(masters, st)
     for t in trainable:
         if len(t.shape) < 2:
             total += shard_numel(t.shape, st.strategy, st.devices) * 4

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from lowmem_tpu.config import Recipe
-from lowmem_tpu.config.schema import LORA_TARGETS, QUANT_BITS, batch_split_problem
+from lowmem_tpu.config.schema import LORA_TARGETS, QUANT_BITS, batch_split_problem, uses_master_weights
 from lowmem_tpu.errors import UserError
 
 
@@ -89,6 +89,7 @@ class Setting:
     quantize: str = "none"  # the frozen base's decoder linears: none, int8 or int4 (LoRA only)
     group_size: int = 64  # int4: inputs sharing one scale
     quantize_lm_head: bool = False
+    master_weights: bool = False  # fp32 copies of the low-precision trainable weights (train.master_weights)
 
     @property
     def bits(self) -> int:
@@ -139,6 +140,7 @@ def setting_of(recipe: Recipe, devices: int) -> Setting:
         quantize=getattr(recipe.model, "quantize", "none"),
         group_size=getattr(recipe.model, "quantize_group_size", 64),
         quantize_lm_head=getattr(recipe.model, "quantize_lm_head", False),
+        master_weights=uses_master_weights(recipe),
     )
     problem = batch_split_problem(t.global_batch_size, t.gradient_accumulation_steps, devices)
     if problem:

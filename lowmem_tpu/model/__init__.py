@@ -15,13 +15,14 @@ from lowmem_tpu.model.loading import (
     torch_dtype,
 )
 from lowmem_tpu.model.lora import apply_lora
-from lowmem_tpu.model.tokenizer import align_special_tokens, load_tokenizer
+from lowmem_tpu.model.tokenizer import align_special_tokens, check_vocabulary, load_tokenizer
 
 __all__ = [
     "align_special_tokens",
     "apply_lora",
     "build_base_model",
     "check_model",
+    "check_vocabulary",
     "count_parameters",
     "flops_per_token",
     "layer_class",

@@ -20,8 +20,8 @@ def load_tokenizer(cfg: ModelSection) -> Any:
     source = resolve_source(cfg.tokenizer or cfg.name_or_path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, use_fast=cfg.use_fast_tokenizer, revision=cfg.revision)
-    except (OSError, ValueError) as err:
-        raise UserError(f"model.tokenizer: cannot load a tokenizer from {source!r}: {err}") from None
+    except (OSError, ValueError, ImportError) as err:
+        raise UserError(f"model.tokenizer: cannot load a tokenizer from {source!r}: {_why(err)}") from None
     if tokenizer.pad_token is None or cfg.pad_token:
         choice = cfg.pad_token or tokenizer.unk_token or tokenizer.eos_token
         if choice is None or choice not in tokenizer.get_vocab():
@@ -29,6 +29,47 @@ def load_tokenizer(cfg: ModelSection) -> Any:
         tokenizer.pad_token = choice
     tokenizer.padding_side = "right"
     return tokenizer
+
+
+# What transformers 5.24 needs to read a sentencepiece tokenizer.model: sentencepiece for the slow
+# tokenizer, protobuf to convert it into a fast one. Without protobuf it falls back to tiktoken and
+# fails with "`tiktoken` is required to read a `tiktoken` file", which names the wrong package.
+SENTENCEPIECE_NEEDS = {"google.protobuf": "protobuf", "sentencepiece": "sentencepiece"}
+
+
+def _why(err: Exception) -> str:
+    import importlib.util
+
+    missing = [name for module, name in SENTENCEPIECE_NEEDS.items() if importlib.util.find_spec(module) is None]
+    if missing:
+        names = " and ".join(missing)
+        return (
+            f"reading a sentencepiece tokenizer.model needs {names}, which is not installed: "
+            f"pip install {' '.join(missing)} (the pinned set, make install, has it); the loader said: {err}"
+        )
+    return str(err)
+
+
+def check_vocabulary(tokenizer: Any, config: Any) -> None:
+    """Refuse token ids the model's embedding has no row for, before any weight is placed.
+
+    On XLA an out-of-range row is gathered silently (eager PyTorch raises), so the model would train
+    on garbage with a plausible-looking loss.
+    """
+    rows = getattr(config, "vocab_size", None)
+    if rows is None:
+        return
+    fix = "use the model's own tokenizer (model.tokenizer) or a model whose embedding has a row for every token"
+    if len(tokenizer) > rows:
+        raise UserError(
+            f"model.tokenizer: the tokenizer has {len(tokenizer):,} tokens but the model's embedding has {rows:,} "
+            f"rows, so ids {rows:,}-{len(tokenizer) - 1:,} would read garbage; {fix}"
+        )
+    for name in ("pad", "eos", "bos"):
+        token_id = getattr(tokenizer, f"{name}_token_id", None)
+        if token_id is not None and not 0 <= token_id < rows:
+            field = "model.pad_token" if name == "pad" else "model.tokenizer"
+            raise UserError(f"{field}: the {name} token's id {token_id} is outside the {rows:,} embedding rows; {fix}")
 
 
 def align_special_tokens(model: Any, tokenizer: Any) -> None:

@@ -41,15 +41,16 @@ class GuardCallback(TrainerCallback):
             control.should_save = True
             control.should_training_stop = True
 
-    def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs) -> None:
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs) -> None:
         """In skip mode, drop every gradient of a step whose gradients are not all finite.
 
-        Parameters without a gradient are left alone by the optimizer (no moment or decay update),
-        so the step is skipped exactly. The check costs one host sync per step.
+        Parameters without a gradient are left alone by the optimizer (no moment or decay update; with
+        master weights their fp32 copies get none either), so the step is skipped exactly. The check
+        costs one host sync per step.
         """
-        if not self.skip_nonfinite or optimizer is None:
+        if not self.skip_nonfinite or model is None:
             return
-        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        params = [p for p in model.parameters() if p.grad is not None]
         if not params or torch.stack([torch.isfinite(p.grad).all() for p in params]).all().item():
             return
         for param in params:

@@ -22,11 +22,13 @@ from transformers import TrainerCallback
 from trl import SFTConfig, SFTTrainer
 
 from lowmem_tpu.config import Recipe
+from lowmem_tpu.config.schema import uses_master_weights
 from lowmem_tpu.data import collate
 from lowmem_tpu.errors import NonFiniteError
 from lowmem_tpu.files import fresh_partial
 from lowmem_tpu.model.names import ParamNames
 from lowmem_tpu.train import checkpoint as ckpt
+from lowmem_tpu.train.master import with_master_weights
 from lowmem_tpu.xla import runtime as rt
 from lowmem_tpu.xla.sharding import shard_like, wrap_model
 from lowmem_tpu.xla.transfer import to_host
@@ -145,6 +147,10 @@ class XlaSFTTrainer(SFTTrainer):
             self._fsdp_model = wrap_model(model, self.recipe.sharding, self.runtime)
         if training and self.optimizer is None:
             self.create_optimizer(self._fsdp_model)
+            if uses_master_weights(self.recipe):
+                strategy = self.recipe.sharding.strategy
+                shard = lambda copy, param: shard_like(copy, param, self.runtime, strategy)  # noqa: E731
+                self.optimizer = with_master_weights(self.optimizer, shard)
         return self._fsdp_model
 
     @property
@@ -257,6 +263,7 @@ class XlaSFTTrainer(SFTTrainer):
         self.optimizer.load_state_dict(torch.load(path / ckpt.OPTIMIZER, weights_only=True))
         for group in self.optimizer.param_groups:
             for param in group["params"]:
+                shard_like(param, param, self.runtime, self.recipe.sharding.strategy)  # master weights, if any
                 for value in self.optimizer.state.get(param, {}).values():
                     if isinstance(value, torch.Tensor) and value.device.type == "xla" and value.shape == param.shape:
                         shard_like(value, param, self.runtime, self.recipe.sharding.strategy)

@@ -30,7 +30,7 @@ def to_host(tree: Any) -> Any:
     import torch_xla.core.xla_model as xm
 
     seed = xm.get_rng_state()
-    torch_xla.sync()
+    torch_xla.sync(wait=True)  # shards cannot be read while the step that writes them is in flight
     xm.set_rng_state(seed)
     leaves, spec = tree_flatten(tree)
     on_device = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and leaf.device.type == "xla"]

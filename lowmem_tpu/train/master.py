@@ -1,0 +1,80 @@
+"""fp32 master weights for bf16 full fine-tuning.
+
+A bf16 weight has 8 bits of mantissa: an update smaller than half its ULP rounds to nothing, so
+AdamW at lr 2e-5 applied to bf16 weights in place leaves most of them (and every norm weight)
+unchanged. Here the optimizer owns an fp32 copy of every trainable weight, sharded like it. Each
+step it reads the bf16 gradients into the fp32 copies, updates those, and writes them back to the
+model rounded to bf16. The model still computes and gathers in bf16; the copies cost 4 bytes per
+trainable parameter, split over the devices like the weights. They are part of the optimizer's
+state dict, so checkpoints hold them and a resume continues from the exact fp32 values.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+MASTERS = "master_weights"
+
+
+class _MasterWeights:
+    """Mixed into an optimizer class whose parameters are fp32 copies of the model's (``pairs``)."""
+
+    pairs: list[tuple[torch.nn.Parameter, torch.Tensor]]
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        for param, master in self.pairs:
+            master.grad = None if param.grad is None else param.grad.to(torch.float32)
+        loss = super().step(closure)  # type: ignore[misc]
+        for param, master in self.pairs:
+            param.copy_(master)  # rounded to the model's dtype
+            master.grad = None
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for param, master in self.pairs:
+            master.grad = None
+            if set_to_none:
+                param.grad = None
+            elif param.grad is not None:
+                param.grad.zero_()
+        super().zero_grad(set_to_none)  # type: ignore[misc]
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()  # type: ignore[misc]
+        state[MASTERS] = [master.detach() for _, master in self.pairs]
+        return state
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state_dict = dict(state_dict)
+        for (_, master), saved in zip(self.pairs, state_dict.pop(MASTERS), strict=True):
+            master.copy_(saved.to(master.device))
+        super().load_state_dict(state_dict)  # type: ignore[misc]
+
+
+def with_master_weights(optimizer: torch.optim.Optimizer, shard_like: Any) -> torch.optim.Optimizer:
+    """The same optimizer (class, groups, hyperparameters) over fp32 copies of its low-precision weights.
+
+    fp32 parameters are optimized in place as before; ``shard_like(copy, param)`` gives each copy its
+    weight's sharding.
+    """
+    cls = type(f"{type(optimizer).__name__}WithMasterWeights", (_MasterWeights, type(optimizer)), {})
+    pairs, groups = [], []
+    for group in optimizer.param_groups:
+        params = []
+        for param in group["params"]:
+            if param.dtype == torch.float32:
+                params.append(param)
+                continue
+            master = param.detach().to(torch.float32).requires_grad_(True)
+            shard_like(master, param)
+            pairs.append((param, master))
+            params.append(master)
+        groups.append({**group, "params": params})
+    wrapped = cls.__new__(cls)
+    torch.optim.Optimizer.__init__(wrapped, groups, optimizer.defaults)
+    wrapped.pairs = pairs
+    return wrapped

@@ -1,0 +1,246 @@
+"""The Open Llama path rehearsed on the CPU: its sentencepiece tokenizer, bf16 weights, alpaca data, full FT.
+
+The model directory (``open_llama_like.build``) has the Hub repository's file set: tokenizer.model without
+tokenizer.json, no pad token, no chat template, pytorch_model.bin in bf16.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from open_llama_like import build
+
+from lowmem_tpu.config import DataSection, ModelSection, load_recipe
+from lowmem_tpu.data import IGNORE_INDEX, DataError, build_dataset, exact_match_prompts, set_chat_template
+from lowmem_tpu.errors import UserError
+from lowmem_tpu.model import check_vocabulary, load_config, load_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+ALPACA = [
+    {"instruction": "Reverse the word.", "input": word, "output": word[::-1]}
+    for word in ("lemon", "paris", "bread", "stone", "river", "cloud", "apple", "tiger")
+] + [
+    {"instruction": "Give three tips for staying healthy.", "input": "", "output": "Eat well, sleep, and move."},
+    {"instruction": "Name the capital of France.", "input": "", "output": "Paris is the capital of France."},
+]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return build(tmp_path_factory.mktemp("open_llama_like"))
+
+
+@pytest.fixture(scope="module")
+def alpaca(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("alpaca") / "alpaca.json"
+    path.write_text(json.dumps(ALPACA * 8, indent=1))  # a JSON array, as alpaca-cleaned ships
+    return path
+
+
+def tokenizer_of(model_dir: Path, fast: bool = False):
+    return load_tokenizer(ModelSection(name_or_path=str(model_dir), use_fast_tokenizer=fast, pad_token="<unk>"))
+
+
+def test_the_hub_file_set_loads_with_the_slow_and_the_fast_tokenizer(model_dir):
+    assert not (model_dir / "tokenizer.json").exists() and (model_dir / "tokenizer.model").exists()
+    slow, fast = tokenizer_of(model_dir, False), tokenizer_of(model_dir, True)
+    text = "### Response:\nParis is the capital of France. 1234"
+    assert slow(text)["input_ids"] == fast(text)["input_ids"]
+    assert slow.pad_token == "<unk>" and slow.pad_token_id == 0 and slow.eos_token_id == 2
+    assert "<0x0A>" in slow.convert_ids_to_tokens(slow(text)["input_ids"])  # a newline is a byte token
+    assert slow.chat_template is None
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_alpaca_trains_on_the_tokens_of_the_joined_text(model_dir, alpaca, fast):
+    tokenizer = tokenizer_of(model_dir, fast)
+    cfg = DataSection(path=str(alpaca), format="alpaca", max_length=128)
+    rows, stats = build_dataset(cfg, tokenizer)
+    assert stats["truncated"] == 0 and stats["rows"] == len(ALPACA) * 8
+    from lowmem_tpu.data import alpaca_prompt
+
+    for row, record in zip(rows.select(range(len(ALPACA))), ALPACA, strict=True):
+        prompt = alpaca_prompt(record["instruction"], record["input"])
+        joined = tokenizer(prompt + record["output"])["input_ids"]  # what the merged model will be fed
+        length = sum(row["attention_mask"])
+        assert row["input_ids"][:length] == [*joined, tokenizer.eos_token_id]
+        trained = [t for t, label in zip(row["input_ids"], row["labels"], strict=True) if label != IGNORE_INDEX]
+        assert tokenizer.decode(trained, skip_special_tokens=True) == record["output"]
+        assert not tokenizer.convert_ids_to_tokens(trained[0]).startswith("▁")  # no dummy prefix after "\n"
+    # Exact match feeds the very prompt tokens that training masked.
+    prompts = exact_match_prompts(cfg, tokenizer, str(alpaca), 3)
+    for (ids, answer), row, record in zip(prompts, rows.select(range(3)), ALPACA, strict=False):
+        first_trained = next(i for i, label in enumerate(row["labels"]) if label != IGNORE_INDEX)
+        assert ids == row["input_ids"][:first_trained] and answer == record["output"]
+
+
+def test_chat_on_a_tokenizer_without_a_template_uses_the_plain_one(model_dir, tmp_path):
+    tokenizer = tokenizer_of(model_dir)
+    path = tmp_path / "chat.jsonl"
+    conversation = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Reverse lemon"},
+        {"role": "assistant", "content": "nomel"},
+        {"role": "user", "content": "And paris?"},
+        {"role": "assistant", "content": "sirap"},
+    ]
+    path.write_text(json.dumps({"messages": conversation}) + "\n")
+    cfg = DataSection(path=str(path), max_length=128)
+    with pytest.raises(DataError, match=r"needs a chat template .* set data\.chat_template"):
+        build_dataset(cfg, tokenizer)
+    assert "plain" in set_chat_template(tokenizer, cfg)
+    rows, _ = build_dataset(cfg, tokenizer)
+    row = rows[0]
+    trained = [t for t, label in zip(row["input_ids"], row["labels"], strict=True) if label != IGNORE_INDEX]
+    assert tokenizer.decode(trained) == "nomel</s>\n\nsirap</s>\n\n"  # each answer, its EOS and the turn's end
+    chatml = DataSection(path=str(path), max_length=256, chat_template="chatml")
+    set_chat_template(tokenizer, chatml)
+    rows, _ = build_dataset(chatml, tokenizer)
+    assert "<|im_start|>assistant" in tokenizer.decode(rows[0]["input_ids"])
+
+
+def test_text_and_long_samples(model_dir, tmp_path):
+    tokenizer = tokenizer_of(model_dir)
+    path = tmp_path / "text.jsonl"
+    path.write_text(
+        "\n".join(json.dumps({"text": "The quick brown fox jumps over the lazy dog. " * n}) for n in (1, 40))
+    )
+    rows, stats = build_dataset(DataSection(path=str(path), format="text", max_length=64), tokenizer)
+    assert stats["truncated"] == 1 and stats["longest"] > 64
+    assert rows[0]["input_ids"][0] == tokenizer.bos_token_id and tokenizer.eos_token_id in rows[0]["input_ids"]
+    assert all(len(r) == 64 for r in rows["input_ids"])
+
+
+def test_tokenized_rows_are_cached_by_records_tokenizer_and_settings(model_dir, alpaca, tmp_path):
+    tokenizer = tokenizer_of(model_dir)
+    cfg = DataSection(path=str(alpaca), format="alpaca", max_length=128)
+    first, stats = build_dataset(cfg, tokenizer, cache_dir=tmp_path)
+    again, cached = build_dataset(cfg, tokenizer, cache_dir=tmp_path)
+    assert not stats["cached"] and cached["cached"] and first["input_ids"] == again["input_ids"]
+    assert again.features["input_ids"].feature.dtype == "int32"
+    _, other = build_dataset(cfg.model_copy(update={"max_length": 120}), tokenizer, cache_dir=tmp_path)
+    assert not other["cached"] and len(list(tmp_path.iterdir())) == 2
+
+
+def test_a_held_out_fraction_is_never_trained_on(model_dir, alpaca):
+    tokenizer = tokenizer_of(model_dir)
+    cfg = DataSection(path=str(alpaca), format="alpaca", max_length=128, eval_fraction=0.25, mask_prompt=False)
+    _, stats = build_dataset(cfg, tokenizer)
+    _, held_stats = build_dataset(cfg, tokenizer, role="eval")
+    assert held_stats["samples"] == 20 and stats["samples"] == 60
+    from lowmem_tpu.data import select_records
+
+    train_records, _ = select_records(cfg, "train")
+    eval_records, _ = select_records(cfg, "eval")
+    assert len(train_records) + len(eval_records) == 80
+    with pytest.raises(Exception, match="evaluation would score the training records"):
+        load_recipe(None, [f"data.path={alpaca}", f"data.eval_path={alpaca}", "data.format=alpaca"])
+
+
+def test_a_tokenizer_larger_than_the_embedding_is_refused(model_dir, tmp_path):
+    tokenizer = tokenizer_of(model_dir)
+    small = ModelSection(name_or_path="builtin:tiny-llama", random_init=True)  # a 48-row embedding
+    with pytest.raises(UserError, match=r"the tokenizer has 400 tokens but the model's embedding has 48 rows"):
+        check_vocabulary(tokenizer, load_config(small))
+    check_vocabulary(tokenizer, load_config(ModelSection(name_or_path=str(model_dir))))
+    # Through the CLI: exit 2 before any weight is placed.
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, "-m", "lowmem_tpu.cli", "sft", "recipes/tiny_lora_cpu.yaml", f"output_dir={tmp_path}"]
+    cmd += [f"model.tokenizer={model_dir}", "model.use_fast_tokenizer=false"]
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "400 tokens but the model's embedding has 48 rows" in done.stderr
+    assert "loading builtin:tiny-llama" not in done.stdout
+
+
+# ----------------------------------------------------------------------------- training, end to end
+
+STEPS = [
+    "runtime.device=cpu",
+    "runtime.num_cpu_devices=4",
+    "data.max_length=128",
+    "train.global_batch_size=8",
+    "train.logging_steps=1",
+    "train.warmup_steps=0",
+    "train.save_steps=null",
+    "train.max_wall_time=null",
+    "runtime.compile_cache_dir=null",
+]
+
+
+def sft(recipe: str, tmp_path: Path, model_dir: Path, alpaca: Path, *overrides: str):
+    from lowmem_tpu.sft import run_sft
+
+    loaded = load_recipe(
+        recipe,
+        [f"output_dir={tmp_path}", f"model.name_or_path={model_dir}", f"data.path={alpaca}", *STEPS, *overrides],
+    )
+    return run_sft(loaded)
+
+
+@pytest.mark.slow
+def test_lora_on_the_bf16_base_through_the_shipped_recipe(model_dir, alpaca, tmp_path):
+    run = sft("recipes/open_llama_lora.yaml", tmp_path, model_dir, alpaca, "train.max_steps=6")
+    losses = [e["loss"] for e in run.metrics["train"]["losses"]]
+    assert abs(losses[0] - math.log(400)) < 0.5  # a random 400-token model starts near ln(400)
+    assert all(math.isfinite(x) for x in losses)
+    params = run.names.params
+    adapters = {n: p for n, p in params.items() if "lora_" in n}
+    assert adapters and all(p.dtype == torch.float32 for p in adapters.values())  # adapters train in fp32
+    base = torch.load(model_dir / "pytorch_model.bin", weights_only=True)
+    for name, value in run.names.host_state().items():
+        if "lora_" not in name:
+            key = name.removeprefix("base_model.model.").replace(".base_layer", "")
+            assert value.dtype == torch.bfloat16 and torch.equal(value, base[key]), name
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(run.final_dir, use_fast=False).padding_side == "left"
+
+
+@pytest.fixture(scope="module")
+def full_runs(model_dir, alpaca, tmp_path_factory):
+    # The issue's case: AdamW at a realistic full fine-tuning rate, constant, 10 steps, bf16 vs fp32.
+    common = ["train.max_steps=10", "train.optimizer=adamw", "train.learning_rate=2e-5", "train.lr_scheduler=constant"]
+    runs = {}
+    for dtype in ("bfloat16", "float32"):
+        out = tmp_path_factory.mktemp(f"full-{dtype}")
+        runs[dtype] = sft("recipes/open_llama_full.yaml", out, model_dir, alpaca, *common, f"model.dtype={dtype}")
+    return runs
+
+
+@pytest.mark.slow
+def test_bf16_full_fine_tuning_moves_the_weights(full_runs, model_dir):
+    from safetensors.torch import load_file
+
+    run = full_runs["bfloat16"]
+    before = torch.load(model_dir / "pytorch_model.bin", weights_only=True)
+    after = load_file(str(run.final_dir / "model.safetensors"))
+    assert all(v.dtype == torch.bfloat16 for v in after.values())  # exported in model.dtype
+    moved = sum(int((after[k] != before[k]).sum()) for k in after) / sum(v.numel() for v in after.values())
+    assert moved > 0.6, moved  # updated in place in bf16, 26% moved: updates under half a ULP rounded away
+    # The fp32 master copies hold every update, norm weights (1.0, where a bf16 ULP is 2^-7) included.
+    optimizer = getattr(run.trainer.optimizer, "optimizer", run.trainer.optimizer)
+    names = {id(p): n for n, p in run.names.params.items()}
+    masters = {names[id(p)]: m.detach().cpu() for p, m in optimizer.pairs}
+    assert len(masters) == len(after) and all(m.dtype == torch.float32 for m in masters.values())
+    for name, master in masters.items():
+        changed = (master != before[name].float()).float().mean()
+        # Only the embedding rows of tokens in the data get a gradient.
+        assert changed > (0.1 if "embed_tokens" in name else 0.99), (name, changed)
+
+
+@pytest.mark.slow
+def test_bf16_losses_track_fp32(full_runs):
+    bf16 = [e["loss"] for e in full_runs["bfloat16"].metrics["train"]["losses"]]
+    fp32 = [e["loss"] for e in full_runs["float32"].metrics["train"]["losses"]]
+    assert len(bf16) == len(fp32) == 10
+    for a, b in zip(bf16, fp32, strict=True):
+        assert abs(a - b) / b < 0.01, (bf16, fp32)  # within 1% at every step
+    assert bf16[-1] < bf16[0] - 0.01  # and both learn
