@@ -6,6 +6,7 @@ Owns every recipe field and every user-facing word about one. Imports nothing of
 
 from lowmem_tpu.config.loading import apply_overrides, find_recipe, load_recipe, read_recipe_file, shipped_recipes
 from lowmem_tpu.config.messages import validate_recipe
+from lowmem_tpu.config.rules import micro_batch_size, parse_duration
 from lowmem_tpu.config.schema import (
     DataSection,
     HubSection,
@@ -16,8 +17,6 @@ from lowmem_tpu.config.schema import (
     RuntimeSection,
     ShardingSection,
     TrainSection,
-    micro_batch_size,
-    parse_duration,
 )
 
 __all__ = [

@@ -7,7 +7,6 @@ top-level ``output_dir`` and ``extends``. Every field has a description (they fe
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -16,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from lowmem_tpu.config.assets import BUILTIN, builtin_has_weights, chat_template_names, check_source, looks_local
 from lowmem_tpu.config.platform import on_tpu
+from lowmem_tpu.config.rules import batch_split_problem, parse_duration
 from lowmem_tpu.errors import UserError
 
 # The projections of a Llama-family decoder layer: LoRA's default targets and what the planner knows.
@@ -365,37 +365,3 @@ def _data_problems(data: DataSection) -> list[tuple[tuple[str, ...], str]]:
         message = f"data.subset: {data.path} is a file; subsets (configurations) belong to Hub datasets"
         problems.append((("data.subset", "data.path"), message))
     return problems
-
-
-def batch_split_problem(global_batch: int, accumulation: int, devices: int) -> str | None:
-    """Why a global batch cannot be cut into micro-batches that split evenly over the devices (None: it can)."""
-    micro = global_batch // accumulation
-    if micro % devices == 0:
-        return None
-    return (
-        f"train.global_batch_size: the micro-batch ({global_batch} / {accumulation} accumulation steps = "
-        f"{micro}) must split evenly over {devices} devices; "
-        f"use a multiple of {devices * accumulation}"
-    )
-
-
-def micro_batch_size(recipe: Recipe, devices: int) -> int:
-    """Samples per forward pass over all devices; a UserError when they do not split evenly."""
-    t = recipe.train
-    problem = batch_split_problem(t.global_batch_size, t.gradient_accumulation_steps, devices)
-    if t.global_batch_size % t.gradient_accumulation_steps:
-        problem = (
-            f"train.global_batch_size: {t.global_batch_size} is not divisible by train.gradient_accumulation_steps"
-        )
-    if problem:
-        raise UserError(problem)
-    return t.global_batch_size // t.gradient_accumulation_steps
-
-
-def parse_duration(text: str) -> float:
-    """Seconds in a duration like ``8h30m``, ``45m``, ``90s`` or ``1h``."""
-    match = re.fullmatch(r"\s*(?:(\d+)h)?\s*(?:(\d+)m)?\s*(?:(\d+)s)?\s*", str(text))
-    if not match or not any(match.groups()):
-        raise ValueError(f"{text!r} is not a duration like 8h30m, 45m or 90s")
-    hours, minutes, seconds = (int(g or 0) for g in match.groups())
-    return hours * 3600.0 + minutes * 60.0 + seconds

@@ -18,8 +18,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import lowmem_tpu.data.cache as cache
 from lowmem_tpu.config import DataSection
-from lowmem_tpu.data import cache
 from lowmem_tpu.data.formats import (
     IGNORE_INDEX,
     Sample,

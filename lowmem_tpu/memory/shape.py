@@ -9,7 +9,8 @@ from types import SimpleNamespace
 from typing import Any
 
 from lowmem_tpu.config import Recipe
-from lowmem_tpu.config.schema import LORA_TARGETS, QUANT_BITS, batch_split_problem, uses_master_weights
+from lowmem_tpu.config.rules import batch_split_problem
+from lowmem_tpu.config.schema import LORA_TARGETS, QUANT_BITS, uses_master_weights
 from lowmem_tpu.errors import UserError
 
 

@@ -41,16 +41,19 @@ class GuardCallback(TrainerCallback):
             control.should_save = True
             control.should_training_stop = True
 
-    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs) -> None:
+    def on_pre_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs) -> None:
         """In skip mode, drop every gradient of a step whose gradients are not all finite.
 
         Parameters without a gradient are left alone by the optimizer (no moment or decay update; with
         master weights their fp32 copies get none either), so the step is skipped exactly. The check
         costs one host sync per step.
         """
-        if not self.skip_nonfinite or model is None:
+        if not self.skip_nonfinite:
             return
-        params = [p for p in model.parameters() if p.grad is not None]
+        # The model's parameters hold the gradients (with master weights, the optimizer's fp32 copies
+        # get theirs only inside its step); the optimizer's own are checked too.
+        owners = [*(model.parameters() if model is not None else ()), *_optimized(optimizer)]
+        params = list({id(p): p for p in owners if p.grad is not None}.values())
         if not params or torch.stack([torch.isfinite(p.grad).all() for p in params]).all().item():
             return
         for param in params:
@@ -72,3 +75,7 @@ class GuardCallback(TrainerCallback):
             if loss > self.spike_factor * mean:
                 self.warn(f"warning: loss spike at step {state.global_step}: {loss:.4f} vs running mean {mean:.4f}")
         self.losses.append(loss)
+
+
+def _optimized(optimizer: Any) -> list[torch.Tensor]:
+    return [p for group in getattr(optimizer, "param_groups", []) for p in group["params"]]

@@ -1,0 +1,92 @@
+"""How long tokenizing Alpaca-sized data takes: the first pass, and the cached pass a rerun or resume gets.
+
+    python scripts/bench_data.py [--records 51760] [--max-length 1024] [--fast]
+
+Writes a synthetic Alpaca file of ``--records`` records (alpaca-cleaned has 51,760; lengths drawn
+to look like it: instructions of ~15 words, an input on 40% of them, outputs of ~50-250 words),
+builds the Open-Llama-shaped tokenizer (tests/open_llama_like.py: sentencepiece ``tokenizer.model``,
+loaded slow unless ``--fast``), then runs ``data.build_dataset`` twice with a cache directory.
+Prints seconds for each pass and writes ``outputs/bench_data/bench_data.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "outputs" / "bench_data"
+WORDS = (
+    "the of and to in a is that for it as was with be by on not he this are or his from at which but have an "
+    "they you were her she there been one all we their if has will more when who would no out so what up can said "
+    "river stone bread write explain summarize give three reasons list describe compare translate answer tips"
+).split()
+
+
+def synthetic(records: int, seed: int = 0) -> list[dict[str, str]]:
+    rng = random.Random(seed)
+
+    def words(low: int, high: int) -> str:
+        return " ".join(rng.choice(WORDS) for _ in range(rng.randint(low, high))).capitalize() + "."
+
+    return [
+        {
+            "instruction": words(6, 24),
+            "input": words(5, 40) if rng.random() < 0.4 else "",
+            "output": words(20, 250),
+        }
+        for _ in range(records)
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--records", type=int, default=51_760)
+    parser.add_argument("--max-length", type=int, default=1024)
+    parser.add_argument("--fast", action="store_true", help="the fast (Rust) tokenizer instead of the slow one")
+    args = parser.parse_args()
+    sys.path.insert(0, str(ROOT / "tests"))
+    from open_llama_like import build
+
+    from lowmem_tpu.config import DataSection, ModelSection
+    from lowmem_tpu.console import quiet_python_warnings
+    from lowmem_tpu.data import build_dataset
+    from lowmem_tpu.model import load_tokenizer
+
+    quiet_python_warnings()
+    OUT.mkdir(parents=True, exist_ok=True)
+    data = OUT / f"alpaca-{args.records}.json"
+    data.write_text(json.dumps(synthetic(args.records)))
+    model = OUT / "open_llama_like"
+    if not (model / "tokenizer.model").exists():
+        build(model)
+    tokenizer = load_tokenizer(ModelSection(name_or_path=str(model), use_fast_tokenizer=args.fast, pad_token="<unk>"))
+    cfg = DataSection(path=str(data), format="alpaca", max_length=args.max_length)
+    cache = OUT / "cache"
+    if cache.exists():
+        import shutil
+
+        shutil.rmtree(cache)
+    timings = {}
+    for name in ("first", "cached"):
+        started = time.perf_counter()
+        rows, stats = build_dataset(cfg, tokenizer, cache_dir=cache)
+        timings[name] = round(time.perf_counter() - started, 1)
+        print(f"{name:>6} pass: {timings[name]:7.1f} s  ({stats['rows']:,} rows, cached={stats['cached']})", flush=True)
+    result = {
+        "records": args.records,
+        "max_length": args.max_length,
+        "tokenizer": "fast" if args.fast else "slow (sentencepiece)",
+        "seconds": timings,
+        "stats": stats,
+        "cache_bytes": sum(p.stat().st_size for p in cache.rglob("*") if p.is_file()),
+    }
+    (OUT / "bench_data.json").write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
