@@ -2,8 +2,9 @@
 
     python scripts/bench_checkpoint.py [--steps 16] [--models demo,m100] [--modes lora,full]
 
-Each point runs the real ``lowmem-tpu sft`` twice in this process on 4 CPU XLA devices: once
-without saves, once saving every 4 steps (logging every 5, so saves land between logs). ``demo``
+Each point runs the real ``lowmem-tpu sft`` in this process on 4 CPU XLA devices: an 8-step warm-up
+run (so that neither measured run pays for compiling), then once without saves and once saving every
+4 steps (logging every 5, so saves land between logs). ``demo``
 is the embedded tiny Llama; ``m100`` a ~110 M-parameter Llama (hidden 768, 12 layers, vocabulary
 16k) built from a config with random weights. Results print as a table and go to
 ``outputs/bench_checkpoint/bench_checkpoint.json``.
@@ -46,11 +47,11 @@ def model_overrides(name: str) -> list[str]:
     return [f"model.name_or_path={directory.resolve()}", "model.random_init=true"]
 
 
-def run(model: str, mode: str, steps: int, save: bool) -> dict[str, Any]:
+def run(model: str, mode: str, steps: int, save: bool, name: str = "") -> dict[str, Any]:
     from lowmem_tpu.config import load_recipe
     from lowmem_tpu.sft import run_sft
 
-    name = f"{model}-{mode}-{'save' if save else 'nosave'}"
+    name = name or f"{model}-{mode}-{'save' if save else 'nosave'}"
     overrides = [
         f"output_dir={OUT / name}",
         f"train.max_steps={steps}",
@@ -85,6 +86,7 @@ def main() -> None:
     results = []
     for model in args.models.split(","):
         for mode in args.modes.split(","):
+            run(model, mode, 8, True, f"{model}-{mode}-warmup")  # compiles the step and a save: both runs are warm
             plain, saving = (run(model, mode, args.steps, save) for save in (False, True))
             seconds = list(saving["saves"].values())
             results.append(

@@ -187,7 +187,9 @@ def sft(recipe: str, tmp_path: Path, model_dir: Path, alpaca: Path, *overrides: 
 
 @pytest.mark.slow
 def test_lora_on_the_bf16_base_through_the_shipped_recipe(model_dir, alpaca, tmp_path):
-    run = sft("recipes/open_llama_lora.yaml", tmp_path, model_dir, alpaca, "train.max_steps=6")
+    run = sft(
+        "recipes/open_llama_lora.yaml", tmp_path, model_dir, alpaca, "train.max_steps=6", "data.chat_template=chatml"
+    )
     losses = [e["loss"] for e in run.metrics["train"]["losses"]]
     assert abs(losses[0] - math.log(400)) < 0.5  # a random 400-token model starts near ln(400)
     assert all(math.isfinite(x) for x in losses)
@@ -201,7 +203,8 @@ def test_lora_on_the_bf16_base_through_the_shipped_recipe(model_dir, alpaca, tmp
             assert value.dtype == torch.bfloat16 and torch.equal(value, base[key]), name
     from transformers import AutoTokenizer
 
-    assert AutoTokenizer.from_pretrained(run.final_dir, use_fast=False).padding_side == "left"
+    saved = AutoTokenizer.from_pretrained(run.final_dir, use_fast=False)
+    assert saved.padding_side == "left" and "<|im_start|>" in saved.chat_template  # ready for generation
 
 
 @pytest.fixture(scope="module")

@@ -412,3 +412,13 @@ def test_reference_doc_is_generated_from_the_schema():
     assert "| `lora.r` | `0 < int <= 4096` | `16` |" in text
     assert "| `model.dtype` | `bfloat16 \\| float32` | `bfloat16` |" in text
     assert f"`{BUILTIN}reverse/train.jsonl`" in text
+
+
+def test_data_splits_and_templates_are_checked():
+    found = problems_of(["data.subset=en", "data.eval_fraction=0.1", "data.eval_path=builtin:reverse/eval.jsonl"])
+    assert any(p.startswith("data.subset: builtin:reverse/train.jsonl is a file") for p in found)
+    assert any(p.startswith("data.eval_fraction: held-out data is data.eval_path or a fraction") for p in found)
+    found = problems_of(["data.chat_template=nope"])
+    assert found == [
+        "data.chat_template: 'nope' is neither a shipped template (chatml, plain) nor a Jinja file that exists"
+    ]

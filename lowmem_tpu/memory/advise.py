@@ -155,7 +155,7 @@ def plan_rows(plan: Plan) -> list[tuple[str, int]]:
     rows = [
         (f"weights{base}", plan.weights),
         ("gradients", plan.gradients),
-        (f"optimizer states ({st.optimizer})", plan.optimizer),
+        (f"optimizer states ({st.optimizer}{' + fp32 master weights' if st.master_weights else ''})", plan.optimizer),
         (f"activations (checkpointing {ckpt}, used)", plan.activations),
         *([("  of which LoRA dropout's random bits", plan.dropout_masks)] if plan.dropout_masks else []),
         (

@@ -4,18 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-# Peak dense bf16 FLOP/s of one XLA device (a core on v2/v3, a chip from v4 on), by device_kind prefix.
-PEAK_FLOPS = {
-    "TPU v2": 22.5e12,
-    "TPU v3": 61.5e12,
-    "TPU v4": 275e12,
-    "TPU v5 lite": 197e12,
-    "TPU v5e": 197e12,
-    "TPU v5p": 459e12,
-    "TPU v5": 459e12,
-    "TPU v6 lite": 918e12,
-    "TPU v6e": 918e12,
-}
+from lowmem_tpu.xla.devices import PEAK_FLOPS
 
 
 def device_kind() -> str:

@@ -54,3 +54,17 @@ def _host_memory() -> int:
             return int(f.readline().split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         return 16 * GiB
+
+
+# Peak dense bf16 FLOP/s of one XLA device (a core on v2/v3, a chip from v4 on), by device_kind prefix.
+PEAK_FLOPS = {
+    "TPU v2": 22.5e12,
+    "TPU v3": 61.5e12,
+    "TPU v4": 275e12,
+    "TPU v5 lite": 197e12,
+    "TPU v5e": 197e12,
+    "TPU v5p": 459e12,
+    "TPU v5": 459e12,
+    "TPU v6 lite": 918e12,
+    "TPU v6e": 918e12,
+}
