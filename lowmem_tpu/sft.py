@@ -101,17 +101,13 @@ def run_sft(recipe: Recipe, overwrite: bool = False, force_resume: bool = False)
 
         check_push_ready(recipe)  # a missing, rejected or read-only token fails now, not after training
 
-    from lowmem_tpu import data, model
     from lowmem_tpu.console import say
+    from lowmem_tpu.model import check_model
 
-    say(f"checking the recipe: {model.check_model(recipe)}")
+    say(f"checking the recipe: {check_model(recipe)}")
     resume = find_resume(recipe, out, force_resume)
     say("loading tokenizer and data")
-    tokenizer = model.load_tokenizer(recipe.model)
-    model.check_vocabulary(tokenizer, model.load_config(recipe.model, offline=True) or model.load_config(recipe.model))
-    chosen = data.set_chat_template(tokenizer, recipe.data)
-    if chosen:
-        say(chosen)
+    tokenizer = _tokenizer(recipe)
     train_ds, data_stats, eval_ds, prompts = _data(recipe, tokenizer, out)
 
     from lowmem_tpu.xla.runtime import setup_runtime
@@ -152,6 +148,20 @@ def run_sft(recipe: Recipe, overwrite: bool = False, force_resume: bool = False)
 
         say(f"pushed {final} to {recipe.hub.repo_id}: {push_after_training(final, recipe)}")
     return SftRun(metrics, final, job.trainer, job.names)
+
+
+def _tokenizer(recipe: Recipe) -> Any:
+    """The tokenizer, checked against the model's embedding, with the chat template the data needs."""
+    from lowmem_tpu import data, model
+    from lowmem_tpu.console import say
+
+    tokenizer = model.load_tokenizer(recipe.model)
+    config = model.load_config(recipe.model, offline=True) or model.load_config(recipe.model)
+    model.check_vocabulary(tokenizer, config)  # before any weight is placed
+    chosen = data.set_chat_template(tokenizer, recipe.data)
+    if chosen:
+        say(chosen)
+    return tokenizer
 
 
 def _data(recipe: Recipe, tokenizer: Any, out: Path) -> tuple[Any, dict[str, Any], Any, Any]:
