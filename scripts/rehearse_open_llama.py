@@ -30,7 +30,7 @@ def main() -> None:
     import torch
     from open_llama_like import build
     from safetensors.torch import load_file
-    from test_open_llama import ALPACA
+    from test_open_llama import ALPACA, STEPS
 
     from lowmem_tpu.config import load_recipe
     from lowmem_tpu.sft import run_sft
@@ -41,20 +41,9 @@ def main() -> None:
         build(model)
     data = OUT / "alpaca.json"
     data.write_text(json.dumps(ALPACA * 8))
-    local = [
-        f"model.name_or_path={model}",
-        f"data.path={data}",
-        "runtime.device=cpu",
-        "runtime.num_cpu_devices=4",
-        "data.max_length=128",
-        "train.global_batch_size=8",
-        "train.logging_steps=1",
-        "train.warmup_steps=0",
-        "train.save_steps=null",
-        "train.max_wall_time=null",
-        f"train.max_steps={args.steps}",
-        "train.resume=never",
-    ]
+    # The test's local overrides: 4 CPU devices, batch 8 x 128, a log every step, no saves.
+    local = [f"model.name_or_path={model}", f"data.path={data}", *STEPS, f"train.max_steps={args.steps}"]
+    local.append("train.resume=never")
     full = ["train.optimizer=adamw", "train.learning_rate=2e-5", "train.lr_scheduler=constant"]
     runs = {
         "lora": ("recipes/open_llama_lora.yaml", []),
