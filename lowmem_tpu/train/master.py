@@ -55,11 +55,11 @@ class _MasterWeights:
         super().load_state_dict(state_dict)  # type: ignore[misc]
 
 
-def with_master_weights(optimizer: torch.optim.Optimizer, shard_like: Any) -> torch.optim.Optimizer:
+def with_master_weights(optimizer: torch.optim.Optimizer, fp32_copy: Any) -> torch.optim.Optimizer:
     """The same optimizer (class, groups, hyperparameters) over fp32 copies of its low-precision weights.
 
-    fp32 parameters are optimized in place as before; ``shard_like(copy, param)`` gives each copy its
-    weight's sharding.
+    fp32 parameters are optimized in place as before; ``fp32_copy(param)`` makes each copy on the
+    devices, sharded like its weight.
     """
     cls = type(f"{type(optimizer).__name__}WithMasterWeights", (_MasterWeights, type(optimizer)), {})
     pairs, groups = [], []
@@ -69,8 +69,7 @@ def with_master_weights(optimizer: torch.optim.Optimizer, shard_like: Any) -> to
             if param.dtype == torch.float32:
                 params.append(param)
                 continue
-            master = param.detach().to(torch.float32).requires_grad_(True)
-            shard_like(master, param)
+            master = fp32_copy(param).requires_grad_(True)
             pairs.append((param, master))
             params.append(master)
         groups.append({**group, "params": params})

@@ -30,7 +30,7 @@ from lowmem_tpu.model.names import ParamNames
 from lowmem_tpu.train import checkpoint as ckpt
 from lowmem_tpu.train.master import with_master_weights
 from lowmem_tpu.xla import runtime as rt
-from lowmem_tpu.xla.sharding import shard_like, wrap_model
+from lowmem_tpu.xla.sharding import place_like, shard_like, wrap_model
 from lowmem_tpu.xla.transfer import to_host
 
 OPTIMIZERS = {"adamw": "adamw_torch", "adafactor": "adafactor"}
@@ -148,10 +148,15 @@ class XlaSFTTrainer(SFTTrainer):
         if training and self.optimizer is None:
             self.create_optimizer(self._fsdp_model)
             if uses_master_weights(self.recipe):
-                strategy = self.recipe.sharding.strategy
-                shard = lambda copy, param: shard_like(copy, param, self.runtime, strategy)  # noqa: E731
-                self.optimizer = with_master_weights(self.optimizer, shard)
+                self.optimizer = with_master_weights(self.optimizer, self._fp32_copy)
         return self._fsdp_model
+
+    def _fp32_copy(self, param: torch.Tensor) -> torch.Tensor:
+        # Through the host, one tensor at a time, and placed as the weights were: an fp32 cast made on
+        # the devices loses its sharding when a dimension does not divide by the device count (XLA
+        # then keeps a replicated copy, measured on 8 CPU devices with a 172-wide projection).
+        host = to_host(param.detach()).to(torch.float32)
+        return place_like(host, param, self.runtime, self.recipe.sharding.strategy)
 
     @property
     def fsdp_model(self) -> torch.nn.Module:

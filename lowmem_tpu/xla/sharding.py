@@ -46,6 +46,15 @@ def place_parameters(model: nn.Module, runtime: Runtime, strategy: str) -> None:
             module._buffers[name] = buf.to(runtime.device)
 
 
+def place_like(host: torch.Tensor, param: torch.Tensor, runtime: Runtime, strategy: str) -> torch.Tensor:
+    """A host tensor moved to the devices and sharded like ``param`` (as ``place_parameters`` places weights)."""
+    import torch_xla.distributed.spmd as xs
+
+    moved = host.to(runtime.device)
+    xs.mark_sharding(moved, runtime.mesh, partition_spec(param.shape, strategy))
+    return moved
+
+
 def shard_like(tensor: torch.Tensor, param: torch.Tensor, runtime: Runtime, strategy: str) -> None:
     """Give a device tensor shaped like ``param`` (e.g. its optimizer state) the same sharding."""
     import torch_xla.distributed.spmd as xs
