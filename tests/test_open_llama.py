@@ -11,6 +11,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -127,6 +128,13 @@ def test_tokenized_rows_are_cached_by_records_tokenizer_and_settings(model_dir, 
     assert again.features["input_ids"].feature.dtype == "int32"
     _, other = build_dataset(cfg.model_copy(update={"max_length": 120}), tokenizer, cache_dir=tmp_path)
     assert not other["cached"] and len(list(tmp_path.iterdir())) == 2
+    edited = tmp_path.parent / "edited.json"
+    edited.write_text(json.dumps(ALPACA))
+    build_dataset(cfg.model_copy(update={"path": str(edited)}), tokenizer, cache_dir=tmp_path)
+    time.sleep(1.1)  # a new modification time, as an edit would leave
+    edited.write_text(json.dumps(ALPACA[::-1]))
+    _, changed = build_dataset(cfg.model_copy(update={"path": str(edited)}), tokenizer, cache_dir=tmp_path)
+    assert not changed["cached"]  # edited records are tokenized again
 
 
 def test_a_held_out_fraction_is_never_trained_on(model_dir, alpaca):
@@ -187,11 +195,13 @@ def sft(recipe: str, tmp_path: Path, model_dir: Path, alpaca: Path, *overrides: 
 
 @pytest.mark.slow
 def test_lora_on_the_bf16_base_through_the_shipped_recipe(model_dir, alpaca, tmp_path):
-    run = sft(
-        "recipes/open_llama_lora.yaml", tmp_path, model_dir, alpaca, "train.max_steps=6", "data.chat_template=chatml"
-    )
+    extra = ["train.max_steps=6", "data.chat_template=chatml"]  # a template for later chat use, saved in final/
+    extra += ["data.eval_fraction=0.25", "train.eval_steps=3"]  # evaluated on records never trained on
+    run = sft("recipes/open_llama_lora.yaml", tmp_path, model_dir, alpaca, *extra)
     losses = [e["loss"] for e in run.metrics["train"]["losses"]]
     assert abs(losses[0] - math.log(400)) < 0.5  # a random 400-token model starts near ln(400)
+    evaluated = [e["step"] for e in run.metrics["train"]["log"] if "eval_loss" in e]
+    assert 3 in evaluated and run.metrics["data"]["samples"] == 60  # train.eval_steps ran mid-training
     assert all(math.isfinite(x) for x in losses)
     params = run.names.params
     adapters = {n: p for n, p in params.items() if "lora_" in n}
@@ -261,3 +271,19 @@ def test_the_shipped_full_recipe_on_8_devices_with_shards_that_do_not_divide(mod
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "full on 8 CPU devices" in done.stdout and (tmp_path / "final" / "model.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_bf16_full_fine_tuning_resumes_from_its_fp32_master_weights(model_dir, alpaca, tmp_path):
+    # Constant lr, so 2 steps + resume + 2 steps is the same schedule as 4 steps in one go.
+    from safetensors.torch import load_file
+
+    common = ["train.max_steps=4", "train.save_steps=2", "train.learning_rate=1e-4", "train.lr_scheduler=constant"]
+    whole = sft("recipes/open_llama_full.yaml", tmp_path / "whole", model_dir, alpaca, *common)
+    sft("recipes/open_llama_full.yaml", tmp_path / "cut", model_dir, alpaca, *common, "train.max_steps=2")
+    (tmp_path / "cut" / "final").rename(tmp_path / "cut" / "final-at-2")
+    resumed = sft("recipes/open_llama_full.yaml", tmp_path / "cut", model_dir, alpaca, *common)
+    saved = torch.load(tmp_path / "cut" / "checkpoints" / "step-2" / "optimizer.pt", weights_only=True)
+    assert len(saved["master_weights"]) == len(resumed.names.params)  # the fp32 copies are in the checkpoint
+    a, b = (load_file(str(run.final_dir / "model.safetensors")) for run in (whole, resumed))
+    assert all(torch.equal(a[k], b[k]) for k in a)  # the update continued from the exact fp32 values

@@ -18,7 +18,7 @@ from lowmem_tpu.xla import runtime as rt
 JSONL = "metrics.jsonl"
 # The package each train.report_to integration needs (transformers' own callbacks import them).
 INTEGRATIONS = {
-    "tensorboard": ("tensorboard", "pip install -c constraints.txt -e '.[tensorboard]'"),
+    "tensorboard": ("tensorboard", "pip install 'lowmem-tpu[tensorboard]' (in a clone, make install has it)"),
     "wandb": ("wandb", "pip install wandb"),
 }
 

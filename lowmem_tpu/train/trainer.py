@@ -52,7 +52,7 @@ def training_args(recipe: Recipe, micro_batch: int) -> SFTConfig:
         weight_decay=t.weight_decay,
         max_grad_norm=t.max_grad_norm,
         logging_steps=t.logging_steps,
-        eval_strategy="steps" if t.eval_steps and recipe.data.eval_path else "no",
+        eval_strategy="steps" if t.eval_steps and (recipe.data.eval_path or recipe.data.eval_fraction) else "no",
         eval_steps=t.eval_steps,
         save_strategy="steps" if t.save_steps else "no",
         save_steps=t.save_steps or 500,
