@@ -54,14 +54,19 @@ def validate(recipe: RecipeArg = None, overrides: OverridesArg = None) -> None:
     """Check a recipe (schema, files, batch split, layer class) without loading any weights."""
     try:
         loaded = _load(recipe, overrides)
+        from lowmem_tpu.config.schema import target_problem
         from lowmem_tpu.model import check_model
         from lowmem_tpu.xla.runtime import configure_environment
 
+        problem = target_problem(loaded)
+        if problem:
+            raise UserError(problem)
         configure_environment(loaded.runtime)
         summary = check_model(loaded)
     except UserError as err:
         _fail(err)
-    typer.echo(f"ok: {recipe or 'embedded default'} is valid ({summary})")
+    target = f"; sized for {loaded.runtime.target}" if loaded.runtime.target else ""
+    typer.echo(f"ok: {recipe or 'embedded default'} is valid ({summary}{target})")
 
 
 @app.command()
@@ -172,7 +177,8 @@ def memory(
         str | None,
         typer.Option(
             "--device",
-            help="v2-8, v3-8, v4-8, v5e-1, v5e-8, v5p-8, v6e-8 or cpu (default: cpu for a CPU recipe, else v3-8).",
+            help="v5e-1, v5e-4, v5e-8, v6e-1, v6e-4, v6e-8, v4-8, v5p-8, v3-8, v2-8 or cpu "
+            "(default: the recipe's runtime.target, else the TPU here, else cpu).",
             show_default=False,
         ),
     ] = None,
@@ -180,12 +186,14 @@ def memory(
 ) -> None:
     """Plan per-device memory of the recipe and its twin (LoRA <-> full); say what to turn on if it does not fit."""
     try:
-        # Planning for a named TPU: the batch must split over its devices (checked by the planner), not the CPU's.
-        on_tpu = ["runtime.device=tpu"] if device not in (None, "cpu") else []
-        loaded = _load(recipe, [*(overrides or []), *on_tpu])
-        from lowmem_tpu.memory.advise import format_report, plan_recipe, report_json
+        from lowmem_tpu.memory.advise import default_device, format_report, plan_recipe, report_json
 
-        report = plan_recipe(loaded, device or ("cpu" if loaded.runtime.device == "cpu" else "v3-8"))
+        # Planning for a TPU: the batch must split over its devices (the planner checks), not the CPU's.
+        loaded = _load(recipe, [*(overrides or []), "runtime.device=tpu"]) if device != "cpu" else None
+        device = device or default_device(loaded)
+        if device == "cpu":
+            loaded = _load(recipe, overrides)
+        report = plan_recipe(loaded, device)
     except UserError as err:
         _fail(err)
     if as_json:
@@ -220,6 +228,28 @@ def compare(
     where = out or Path(loaded.output_dir) / "compare"
     chart = result["chart"] or "no chart (pip install -c constraints.txt matplotlib)"
     typer.echo(f"wrote {where / 'compare.json'} and {chart}")
+
+
+@app.command()
+def doctor(
+    out: Annotated[Path, typer.Option("--out", help="Where the JSON report goes.")] = Path("lowmem-tpu-doctor.json"),
+    skip_train: Annotated[
+        bool, typer.Option("--skip-train", help="Check the installation and platform only; train nothing.")
+    ] = False,
+) -> None:
+    """Check this machine (versions, TPU, libtpu, RAM, compile cache), then train a few tiny bf16 steps.
+
+    Run it first on a TPU VM and paste its output (or the JSON) into a bug report. Exit 1 when a
+    check fails; the report is written either way.
+    """
+    from lowmem_tpu.doctor import run_doctor
+
+    report = run_doctor(out, train=not skip_train, echo=typer.echo)
+    failed = [c["name"] for c in report["checks"] if c["status"] == "fail"]
+    warned = [c["name"] for c in report["checks"] if c["status"] == "warn"]
+    verdict = f"{len(failed)} failed ({', '.join(failed)})" if failed else "all checks passed"
+    typer.echo(f"{verdict}{f'; {len(warned)} warning(s)' if warned else ''}; wrote {out}")
+    raise typer.Exit(1 if failed else 0)
 
 
 def main() -> None:

@@ -57,6 +57,7 @@ class Job:
     runtime: Any  # xla.runtime.Runtime
     tokenizer: Any
     flops_per_token: float
+    plan: Any  # memory.plan.Plan of this run on its devices (None for an architecture the planner lacks)
 
 
 def find_resume(recipe: Recipe, out: Path, force: bool) -> Path | None:
@@ -131,7 +132,11 @@ def run_sft(recipe: Recipe, overwrite: bool = False, force_resume: bool = False)
         return SftRun({}, where, job.trainer, job.names, stopped=job.guard.stop_reason)
     after = _evaluate(job, prompts, "after training")
 
-    metrics = _metrics(recipe, runtime, job, data_stats, before, after, result, train_seconds)
+    from lowmem_tpu.memory.record import memory_record
+    from lowmem_tpu.train.report import print_summary, run_metrics
+
+    memory = memory_record(job.plan, runtime.memory_per_device(), runtime.platform)
+    metrics = run_metrics(recipe, runtime, job, data_stats, (before, after), result, train_seconds, memory)
     if metrics["compiles"]["persistent_cache"]["unreadable"]:
         say(
             f"note: the compile cache in {runtime.compile_cache_dir} could not be read back on the "
@@ -142,7 +147,7 @@ def run_sft(recipe: Recipe, overwrite: bool = False, force_resume: bool = False)
     from lowmem_tpu.files import write_json
 
     write_json(final / "metrics.json", metrics)
-    _summary(recipe, metrics, final)
+    print_summary(metrics, final)
     if recipe.hub.push:
         from lowmem_tpu.publish.hub import push_after_training
 
@@ -204,6 +209,7 @@ def _build(recipe: Recipe, runtime, tokenizer, train_ds, eval_ds, micro: int, ou
     from lowmem_tpu import model as m
     from lowmem_tpu.config import parse_duration
     from lowmem_tpu.console import say
+    from lowmem_tpu.memory.record import run_plan
     from lowmem_tpu.train.guard import GuardCallback
     from lowmem_tpu.train.metrics import JsonlLog, MetricsCallback
     from lowmem_tpu.train.progress import ProgressCallback
@@ -227,11 +233,22 @@ def _build(recipe: Recipe, runtime, tokenizer, train_ds, eval_ds, micro: int, ou
     wall = parse_duration(t.max_wall_time) if t.max_wall_time else None
     guard = GuardCallback(wall, t.loss_spike_factor, say, skip_nonfinite=t.on_nonfinite == "skip")
     flops = m.flops_per_token(model.config, total, trainable, recipe.data.max_length, recipe.lora.enabled)
-    callbacks = [metrics, guard, JsonlLog(recipe.output_dir), ProgressCallback()]
+    plan = run_plan(recipe, model.config, runtime.platform, runtime.kind, runtime.num_devices)
+    callbacks = [metrics, guard, JsonlLog(recipe.output_dir, runtime), ProgressCallback()]
     trainer = build_trainer(
-        recipe, runtime, model, train_ds, tokenizer, micro, callbacks, eval_dataset=eval_ds, flops_per_token=flops
+        recipe,
+        runtime,
+        model,
+        train_ds,
+        tokenizer,
+        micro,
+        callbacks,
+        eval_dataset=eval_ds,
+        flops_per_token=flops,
+        planned_bytes=plan.peak if plan else None,
     )
-    return Job(model, trainer.names, trainer, metrics, guard, base, trainable, total, micro, runtime, tokenizer, flops)
+    parts = (model, trainer.names, trainer, metrics, guard, base, trainable, total, micro, runtime, tokenizer, flops)
+    return Job(*parts, plan)
 
 
 def _base_reference(recipe: Recipe, model, tokenizer, out: Path) -> str:
@@ -277,57 +294,6 @@ def _evaluate(job: Job, prompts, label: str) -> dict[str, Any]:
     return result
 
 
-def _metrics(recipe, runtime, job: Job, data_stats, before, after, result, train_seconds) -> dict[str, Any]:
-    from lowmem_tpu.xla.runtime import cache_stats, compile_count, compile_seconds
-
-    cb = job.metrics
-    steps = recipe.train.max_steps
-    warmup = cb.warmup_end(steps)
-    by_step = cb.compiles_by_step
-    # A save at step s runs after step s is counted and before step s + 1 is: take it out of the steps.
-    saves = job.trainer.save_compiles
-    saved_in = lambda first, last: sum(c for s, c in saves.items() if first <= s < last)  # noqa: E731
-    logs = [entry for entry in cb.logs if "loss" in entry]
-    steady = [entry for entry in logs if entry["step"] > warmup and "tokens_per_second" in entry]
-    mean = lambda key: sum(e[key] for e in steady) / len(steady) if steady else None  # noqa: E731
-    trainable, total = job.trainable, job.total
-    return {
-        "platform": runtime.platform,
-        "num_devices": runtime.num_devices,
-        "mode": "lora" if recipe.lora.enabled else "full",
-        "trainable_parameters": trainable,
-        "total_parameters": total,
-        "steps": steps,
-        "global_batch_size": recipe.train.global_batch_size,
-        "micro_batch_size": job.micro,
-        "max_length": recipe.data.max_length,
-        "data": data_stats,
-        "train": {
-            "losses": [{"step": e["step"], "loss": e["loss"]} for e in logs],
-            "log": cb.logs,
-            "final_loss": logs[-1]["loss"] if logs else result.training_loss,
-            "mean_loss": result.training_loss,
-            "steady_tokens_per_second": mean("tokens_per_second"),
-            "steady_tokens_per_second_per_device": mean("tokens_per_second_per_device"),
-            "steady_step_time": mean("step_time"),
-            "steady_mfu": mean("mfu") if runtime.peak_flops else None,
-            "flops_per_token": job.flops_per_token,
-        },
-        "eval": {"before": before, "after": after},
-        "compiles": {
-            "warmup_steps": warmup,
-            "during_warmup": by_step.get(warmup, 0) - saved_in(0, warmup),
-            "after_warmup": by_step.get(steps, 0) - by_step.get(warmup, 0) - saved_in(warmup, steps),
-            "at_saves": {str(step): count for step, count in sorted(saves.items())},
-            "total": compile_count() - cb.compiles_at_start,
-            "seconds": round(compile_seconds() - cb.compile_seconds_at_start, 2),
-            "persistent_cache": {"dir": runtime.compile_cache_dir, **cache_stats()},
-        },
-        "checkpoints": {"seconds": {str(s): t for s, t in sorted(job.trainer.save_seconds.items())}},
-        "time": {"train_seconds": round(train_seconds, 1)},
-    }
-
-
 def _save(recipe: Recipe, job: Job, tokenizer, out: Path, metrics: dict[str, Any]) -> Path:
     from lowmem_tpu.console import say
     from lowmem_tpu.files import fresh_partial, publish
@@ -348,34 +314,3 @@ def _save(recipe: Recipe, job: Job, tokenizer, out: Path, metrics: dict[str, Any
     publish(partial, final)
     say(f"saved {'adapter' if recipe.lora.enabled else 'model'} to {final}")
     return final
-
-
-def _summary(recipe: Recipe, metrics: dict[str, Any], final: Path) -> None:
-    from lowmem_tpu.console import table
-
-    before, after = metrics["eval"]["before"], metrics["eval"]["after"]
-    rows = [
-        ("mode", f"{metrics['mode']} on {metrics['num_devices']} {metrics['platform']} devices"),
-        ("steps", str(metrics["steps"])),
-        ("train loss (last log)", _fmt(metrics["train"]["final_loss"])),
-    ]
-    for key, name in (("loss", "eval loss"), ("exact_match", "exact match")):
-        if key in before or key in after:
-            rows.append((name, f"{_fmt(before.get(key))} -> {_fmt(after.get(key))}"))
-    tps = metrics["train"]["steady_tokens_per_second"]
-    rows += [
-        ("tokens/s (steady)", f"{tps:,.0f}" if tps else "n/a"),
-        ("compiles", _compiles(metrics["compiles"])),
-        ("output", str(final)),
-    ]
-    print("\nsummary\n" + table(rows), flush=True)
-
-
-def _compiles(c: dict[str, Any]) -> str:
-    saves = list(c["at_saves"].values())
-    at_saves = f", {sum(saves)} at {len(saves)} saves" if saves else ""
-    return f"{c['during_warmup']} in warm-up, {c['after_warmup']} after{at_saves}"
-
-
-def _fmt(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.4f}"

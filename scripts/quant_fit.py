@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from lowmem_tpu.config import load_recipe  # noqa: E402
-from lowmem_tpu.memory import DEVICES, GiB, plan_setting, require_config, setting_of, shape_of  # noqa: E402
+from lowmem_tpu.config.devices import DEVICES, GiB
+from lowmem_tpu.memory import plan_setting, require_config, setting_of, shape_of  # noqa: E402
 from lowmem_tpu.memory.advise import plan_json  # noqa: E402
 
 SEVEN_B = "openlm-research/open_llama_7b_v2"

@@ -21,6 +21,7 @@ MAY_IMPORT = {
     "evaluate": set(),
     "memory": {"config", "model", "xla", "train", "memory"},
     "publish": {"config", "model", "publish"},
+    "doctor": {"config", "xla"},
 }
 BASICS = {"errors", "files", "console"}
 

@@ -107,8 +107,8 @@ def test_activations_with_and_without_checkpointing():
     layer = memory.layer_activations(SHAPE, st)
     tokens = 2 * 32  # 8 sequences over 4 devices, 32 tokens each
     assert layer == tokens * (8 * 64 + 5 * 160) * 4 + 2 * 4 * 32 * 32 * 4
-    assert memory.activations(SHAPE, replace(st, checkpointing=False)) == 3 * layer
-    assert memory.activations(SHAPE, st) == 4 * tokens * 64 * 4 + layer
+    assert memory.activations(SHAPE, replace(st, checkpointing=False), "tpu") == 3 * layer
+    assert memory.activations(SHAPE, st, "tpu") == 4 * tokens * 64 * 4 + layer
     p = plan()
     assert p.activations_checkpointed < p.activations_not_checkpointed
     assert p.activations == p.activations_checkpointed
@@ -172,9 +172,12 @@ def test_suggestions_stop_when_nothing_is_left():
 
 
 def test_plan_recipe_has_a_twin_and_the_shipped_configs():
-    report = memory_report.plan_recipe(load_recipe(ROOT / "recipes/open_llama_lora.yaml"), "v3-8")
+    recipe = load_recipe(ROOT / "recipes/open_llama_lora.yaml")
+    report = memory_report.plan_recipe(recipe, memory_report.default_device(recipe))
     assert report.plan.setting.lora and not report.twin.setting.lora
-    assert report.device.devices == 8 and report.device.hbm_bytes == 16 * GiB
+    # runtime.target: Kaggle's v5e-8, 15.75 GiB usable per chip (what its compiler reports)
+    assert report.device.name == "v5e-8" and report.device.devices == 8
+    assert report.device.hbm_bytes == int(15.75 * GiB)
     assert 3.4e9 < report.twin.trainable_parameters < 3.5e9  # Open Llama 3B v2's exact architecture
     assert 25e6 < report.plan.trainable_parameters < 26e6
     assert report.plan.fits
@@ -185,6 +188,38 @@ def test_plan_recipe_has_a_twin_and_the_shipped_configs():
     assert 6.7e9 < seven.plan.total_parameters < 6.8e9
     text = memory_report.format_report(report)
     assert "its twin (lora.enabled=false)" in text and "margin for XLA workspace" in text
+
+
+def test_a_tpu_plan_carries_no_cpu_compiler_effect():
+    """On one CPU device XLA:CPU keeps every layer's attention despite checkpointing; a TPU plan must not."""
+    recipe = load_recipe(ROOT / "recipes/open_llama_lora_v5e1.yaml")
+    report = memory_report.plan_recipe(recipe, memory_report.default_device(recipe))
+    st, s = report.plan.setting, shape.shape_of(shape.require_config(recipe))
+    assert report.device.name == "v5e-1" and st.devices == 1 and st.sequences == 4
+    kept = (s.layers + 1) * st.tokens * s.hidden * 2 + memory.layer_activations(s, st)
+    assert memory.activations(s, st, "tpu") == kept
+    assert memory.activations(s, st, "cpu") > 5 * kept  # the CPU layout keeps it: 26 layers' attention
+    assert report.plan.fits and report.plan.capacity - report.plan.needed > 4 * GiB  # a real margin
+
+
+def test_every_shipped_open_llama_recipe_fits_its_target():
+    for name in ("open_llama_lora", "open_llama_lora_v5e1", "open_llama_full", "open_llama_7b_qlora"):
+        recipe = load_recipe(ROOT / f"recipes/{name}.yaml")
+        assert recipe.runtime.target in ("v5e-8", "v5e-1"), name
+        report = memory_report.plan_recipe(recipe, memory_report.default_device(recipe))
+        assert report.plan.fits, name
+
+
+def test_the_device_catalog():
+    from lowmem_tpu.config.devices import DEVICES, device_for, generation_of
+
+    assert {"v5e-1", "v5e-4", "v5e-8", "v6e-1", "v6e-4", "v6e-8", "v4-8", "v5p-8", "v3-8", "v2-8"} <= set(DEVICES)
+    assert all(d.peak_flops and 0 < d.hbm_bytes <= 95 * GiB for d in DEVICES.values())
+    assert DEVICES["v3-8"].legacy and DEVICES["v2-8"].legacy and not DEVICES["v5e-8"].legacy
+    assert generation_of("TPU v5 lite").name == "v5e" and generation_of("TPU v6e").name == "v6e"
+    assert generation_of("TPU v5").name == "v5p" and generation_of("cpu") is None
+    assert device_for("v5e", 8).name == "v5e-8" and device_for("v4", 4).name == "v4-8"
+    assert device_for("v3", 8).name == "v3-8" and device_for("v5e", 2) is None
 
 
 def test_unknown_model_type_and_bad_batch_are_user_errors():
@@ -199,10 +234,11 @@ def test_unknown_model_type_and_bad_batch_are_user_errors():
 
 
 def test_memory_command_prints_both_modes_without_heavy_imports():
-    done = cli("memory", "recipes/open_llama_lora.yaml", "--device", "v3-8", importtime=True)
+    done = cli("memory", "recipes/open_llama_lora.yaml", importtime=True)  # its runtime.target: v5e-8
     assert done.returncode == 0, done.stderr[-2000:]
     assert "LoRA, 25,425,920 trainable" in done.stdout and "full fine-tuning, 3,426,473,600 trainable" in done.stdout
-    assert "of 16 GiB: fits" in done.stdout
+    assert "on v5e-8 (TPU v5e-8: 8 chips x 16 GiB (Kaggle's free TPU))" in done.stdout
+    assert "of 15.8 GiB: fits" in done.stdout
     loaded = {line.split("|")[-1].strip().split(".")[0] for line in done.stderr.splitlines() if "import time:" in line}
     assert not loaded & set(HEAVY)
 
@@ -230,7 +266,21 @@ def test_memory_json_and_the_suggestion_chain():
 def test_unknown_device_lists_the_known_ones():
     done = cli("memory", "recipes/tiny_lora_cpu.yaml", "--device", "v9-8")
     assert done.returncode == 2 and "Traceback" not in done.stderr
-    assert "unknown device 'v9-8'" in done.stderr and "v3-8" in done.stderr and "cpu" in done.stderr
+    assert "unknown device 'v9-8'" in done.stderr and "v5e-1" in done.stderr and "cpu" in done.stderr
+
+
+def test_the_qlora_recipe_plans_for_one_chip_without_a_device_flag():
+    done = cli("memory", "recipes/open_llama_7b_qlora.yaml")  # a batch of 4 that 8 devices could not split
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "on v5e-1" in done.stdout and "micro-batch 4 x 1024 tokens per device" in done.stdout
+
+
+def test_validate_checks_the_batch_split_for_the_target():
+    done = cli("validate", "recipes/open_llama_7b_qlora.yaml", "runtime.target=v5e-8")
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "must split evenly over 8 devices" in done.stderr and "runtime.target: v5e-8" in done.stderr
+    done = cli("validate", "recipes/open_llama_lora.yaml", "runtime.target=v7")
+    assert done.returncode == 2 and "runtime.target" in done.stderr and "v5e-1" in done.stderr
 
 
 def test_model_without_an_offline_config_says_how_to_supply_it():
@@ -299,7 +349,11 @@ def test_compare_on_a_tpu_reads_the_runtime_peak(tmp_path):  # pragma: no cover 
     done = cli(*args, device="TPU")
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads((tmp_path / "compare.json").read_text())
-    assert result["modes"]["lora"]["measured"]["tokens_per_second"] > 0
+    for mode in ("lora", "full"):
+        measured = result["modes"][mode]["measured"]
+        assert measured["tokens_per_second"] > 0 and measured["fits"]
+        assert measured["runtime_peak"] > 0 and measured["compiler_peak"] > 0, measured["source"]
+        assert "runtime" in measured["source"] and len(measured["per_device"]) == measured["devices"]
 
 
 # ----------------------------------------------------------------------------- a quantized base (QLoRA)

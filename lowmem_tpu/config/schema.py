@@ -14,6 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from lowmem_tpu.config.assets import BUILTIN, builtin_has_weights, chat_template_names, check_source, looks_local
+from lowmem_tpu.config.devices import DEVICES, TARGETS
 from lowmem_tpu.config.platform import on_tpu
 from lowmem_tpu.config.rules import batch_split_problem, parse_duration
 from lowmem_tpu.errors import UserError
@@ -174,6 +175,11 @@ class RuntimeSection(Section):
     """The XLA devices: a TPU, or virtual devices on the CPU backend for a rehearsal."""
 
     device: Literal["auto", "tpu", "cpu"] = Field("auto", description="auto: the TPU if there is one, else the CPU.")
+    target: Literal[TARGETS] | None = Field(  # type: ignore[valid-type]
+        None,
+        description="The TPU VM this recipe is sized for (v5e-1, v5e-8, v6e-8, v4-8, ..., or cpu): `memory`, "
+        "`validate` and `compare` plan for it and a run on another TPU warns (null: the TPU found, else cpu).",
+    )
     num_cpu_devices: int = Field(4, ge=1, le=64, description="Virtual XLA devices on the CPU backend.")
     compile_cache_dir: str | None = Field(
         "auto",
@@ -347,6 +353,19 @@ def cross_problems(recipe: Recipe) -> list[tuple[tuple[str, ...], str]]:
         problems.append((("train.eval_steps", "data.eval_path", "data.eval_fraction"), message))
     problems += _data_problems(data)
     return problems
+
+
+def target_problem(recipe: Recipe) -> str | None:
+    """Why the batch cannot split over the devices of the recipe's ``runtime.target`` TPU (None: it can).
+
+    Checked by ``validate`` and ``memory``, not at load: a run uses the devices it finds.
+    """
+    target = DEVICES.get(recipe.runtime.target or "")
+    if target is None:
+        return None
+    t = recipe.train
+    problem = batch_split_problem(t.global_batch_size, t.gradient_accumulation_steps, target.devices)
+    return f"{problem} (runtime.target: {target.name}, {target.devices} devices)" if problem else None
 
 
 def _data_problems(data: DataSection) -> list[tuple[tuple[str, ...], str]]:

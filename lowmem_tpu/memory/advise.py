@@ -10,9 +10,11 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from lowmem_tpu.config import Recipe
+from lowmem_tpu.config.devices import Device, GiB, device_for, find_device
+from lowmem_tpu.config.platform import tpu_present
+from lowmem_tpu.errors import UserError
 from lowmem_tpu.memory.plan import Plan, plan_setting
 from lowmem_tpu.memory.shape import Setting, Shape, require_config, setting_of, shape_of
-from lowmem_tpu.xla.devices import Device, GiB, find_device
 
 # ----------------------------------------------------------------------------- what to turn on next
 
@@ -120,6 +122,21 @@ class MemoryReport:
     twin: Plan
     steps: list[Step]
     twin_steps: list[Step]
+
+
+def default_device(recipe: Recipe) -> str:
+    """What to plan for without ``--device``: the recipe's ``runtime.target``, else the TPU here, else ``cpu``."""
+    if recipe.runtime.target:
+        return recipe.runtime.target
+    if recipe.runtime.device == "cpu" or not tpu_present():
+        return "cpu"
+    from lowmem_tpu.xla.tpu import local_chips
+
+    chips = local_chips()
+    found = device_for(chips.generation.name, chips.xla_devices) if chips.generation else None
+    if found is None:
+        raise UserError("this TPU is not one the planner knows: name one with --device (or set runtime.target)")
+    return found.name
 
 
 def plan_recipe(recipe: Recipe, device: str, config: Any = None) -> MemoryReport:

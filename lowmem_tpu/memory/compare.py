@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from lowmem_tpu.config import Recipe
+from lowmem_tpu.config.devices import DEVICES
 from lowmem_tpu.config.platform import on_tpu
 from lowmem_tpu.memory import measure
 from lowmem_tpu.memory.advise import plan_json
@@ -25,28 +26,52 @@ COLORS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52")
 
 
 def _measured(recipe: Recipe, steps: int) -> dict[str, Any]:
-    """One mode measured: its per-device segments, peak, and where the figures came from."""
-    if on_tpu(recipe.runtime.device):
+    """One mode measured: its per-device segments, peak, and where the figures came from.
+
+    On a TPU the TPU compiler's figure for the step comes first (a step it refuses is the result
+    "does not fit"), then ``steps`` real steps give the runtime's sampled HBM peak; on the CPU
+    backend the CPU compiler's figure is all there is. ``peak`` is None when nothing was measured.
+    """
+    tpu = on_tpu(recipe.runtime.device)
+    platform = "TPU" if tpu else "CPU"
+    step = measure.compile_step(recipe, recipe.runtime.num_cpu_devices, platform=platform)
+    compiler = step.compiler.total_bytes if step.compiler else None
+    out: dict[str, Any] = {
+        "compiler_peak": compiler,
+        "compiler": asdict(step.compiler) if step.compiler else None,
+        "compile_seconds": step.compile_seconds,
+        "devices": step.devices,
+        "tokens_per_second": None,
+        "runtime_peak": None,
+        "fits": step.out_of_memory is None,
+    }
+    if step.out_of_memory is not None:
+        out["does_not_fit"] = asdict(step.out_of_memory) | {"text": step.out_of_memory.describe()}
+    state, peak = step.state, compiler
+    source = (
+        f"{platform} compiler: XLA buffer assignment of one device's partition of the real step (compiled, not run)"
+    )
+    if step.missing:
+        source = f"{platform} compiler: {step.missing}"
+    if tpu and step.out_of_memory is None:
         run = measure.run_steps(recipe, steps)
-        peak, state = run.peak_bytes, run.state
-        extra = {"source": f"{run.device_kind} runtime: peak of xm.get_memory_info after {steps} real steps"}
-        extra |= {"tokens_per_second": run.tokens_per_second, "compile_seconds": run.compile_seconds}
-        extra["devices"] = run.devices
-    else:
-        step = measure.compile_step(recipe, recipe.runtime.num_cpu_devices)
-        peak, state = step.compiler.total_bytes, step.state
-        extra = {
-            "source": "CPU compiler: XLA buffer assignment of one device's partition of the real step (compiled, "
-            "not run): parameters + temporaries + outputs",
-            "tokens_per_second": None,
-            "compile_seconds": step.compile_seconds,
-            "compiler": asdict(step.compiler),
-            "host_peak_rss_bytes": step.host_peak_rss_bytes,
-            "devices": step.devices,
-        }
-    temporaries = peak - state.weights - state.optimizer - state.gradients
-    segments = dict(zip(SEGMENTS, (state.weights, state.optimizer, state.gradients, temporaries), strict=True))
-    return {"peak": peak, "segments": segments, "state": asdict(state)} | extra
+        out |= {"tokens_per_second": run.tokens_per_second, "runtime_peak": run.peak_bytes, "kind": run.device_kind}
+        out |= {"per_device": run.per_device, "runtime_error": run.memory_error}
+        state, peak = run.state, run.peak_bytes or compiler
+        if run.out_of_memory is not None:
+            out["fits"], out["does_not_fit"] = False, asdict(run.out_of_memory) | {"text": run.out_of_memory.describe()}
+        if run.peak_bytes:
+            source = f"{run.device_kind} runtime: highest HBM in use (libtpu runtime metrics) over {steps} real steps"
+    if not tpu:
+        out["host_peak_rss_bytes"] = step.host_peak_rss_bytes
+    limits = [out.get("does_not_fit", {}).get("capacity_bytes")] + [d["limit"] for d in out.get("per_device") or []]
+    out["capacity"] = min((x for x in limits if x), default=0)
+    segments = None
+    if peak:
+        temporaries = peak - state.weights - state.optimizer - state.gradients
+        values = (state.weights, state.optimizer, state.gradients, temporaries)
+        segments = dict(zip(SEGMENTS, values, strict=True))
+    return out | {"peak": peak, "segments": segments, "state": asdict(state), "source": source}
 
 
 def _planned(plan: Plan) -> dict[str, Any]:
@@ -59,6 +84,7 @@ def compare_recipe(recipe: Recipe, steps: int, out: Path) -> dict[str, Any]:
     """Plan and measure the recipe as LoRA and as full fine-tuning; write compare.json and compare.png."""
     config = require_config(recipe)
     shape = shape_of(config)
+    target = DEVICES.get(recipe.runtime.target or "")
     modes: dict[str, Any] = {}
     for name, enabled in (("lora", True), ("full", False)):
         # Full fine-tuning trains the base itself: a quantized (QLoRA) recipe's twin is unquantized.
@@ -67,8 +93,11 @@ def compare_recipe(recipe: Recipe, steps: int, out: Path) -> dict[str, Any]:
         measured = _measured(variant, steps)
         layout = "tpu" if on_tpu(variant.runtime.device) else "cpu"
         setting = setting_of(variant, measured["devices"])
-        plan = plan_setting(shape, setting, layout, 0)
+        plan = plan_setting(shape, setting, layout, measured.get("capacity", 0))
         modes[name] = {"planned": _planned(plan), "measured": measured, "layout": layout}
+        if target is not None and layout == "cpu":  # the same mode planned on the TPU the recipe is for
+            on_target = plan_setting(shape, setting_of(variant, target.devices), "tpu", target.hbm_bytes)
+            modes[name]["planned_on_target"] = _planned(on_target) | {"device": target.name}
     result = {"model": recipe.model.name_or_path, "dtype": recipe.model.dtype, "modes": modes}
     result["quantize"] = recipe.model.quantize if recipe.lora.enabled else "none"
     out.mkdir(parents=True, exist_ok=True)
@@ -86,22 +115,41 @@ def _human(n: float | None) -> str:
     return f"{n / 2**30:.2f} GiB" if abs(n) >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
+def _cell(mode: dict[str, Any], side: str, segment: str) -> str:
+    data = mode[side]
+    if segment == "peak":
+        return _human(data["peak"]) if data["peak"] or side == "planned" else "no fit" if not data["fits"] else "n/a"
+    return _human(data["segments"][segment]) if data["segments"] else "n/a"
+
+
 def format_compare(result: dict[str, Any]) -> str:
-    """Planned beside measured, per device, for both modes."""
+    """Planned beside measured, per device, for both modes; a mode that does not fit says so."""
     lora, full = result["modes"]["lora"], result["modes"]["full"]
     header = f"  {'per device':<26}{'LoRA planned':>14}{'measured':>12}{'full planned':>16}{'measured':>12}"
     quant = result.get("quantize", "none")
     base = f", LoRA on an {quant} base" if quant != "none" else ""
     lines = [f"{result['model']} ({result['dtype']}{base}), {lora['measured']['devices']} devices", header]
     for segment in (*SEGMENTS, "peak"):
-        cells = []
-        for mode in (lora, full):
-            for side in ("planned", "measured"):
-                cells.append(_human(mode[side]["peak"] if segment == "peak" else mode[side]["segments"][segment]))
+        cells = [_cell(mode, side, segment) for mode in (lora, full) for side in ("planned", "measured")]
         lines.append(f"  {segment:<26}{cells[0]:>14}{cells[1]:>12}{cells[2]:>16}{cells[3]:>12}")
-    for mode in (lora, full):
-        error = mode["planned"]["peak"] / mode["measured"]["peak"] - 1
-        lines.append(f"  {mode['planned']['plan']['mode']}: planned peak {100 * error:+.1f}% off the measured one")
+    for name, mode in (("LoRA", lora), ("full fine-tuning", full)):
+        measured = mode["measured"]
+        if not measured["fits"]:
+            lines.append(f"  {name}: {measured['does_not_fit']['text']}")
+        elif measured["peak"]:
+            error = mode["planned"]["peak"] / measured["peak"] - 1
+            lines.append(f"  {name}: planned peak {100 * error:+.1f}% off the measured one")
+        else:
+            lines.append(f"  {name}: not measured ({measured['source']})")
+        if measured.get("runtime_peak") and measured.get("compiler_peak"):
+            compiler, runtime = _human(measured["compiler_peak"]), _human(measured["runtime_peak"])
+            lines.append(f"  {name}: TPU compiler {compiler} per device, runtime peak {runtime}")
+        if "planned_on_target" in mode:
+            target = mode["planned_on_target"]
+            verdict = "fits" if target["plan"]["fits"] else "does not fit"
+            lines.append(
+                f"  {name} on {target['device']} (runtime.target): planned {_human(target['peak'])}, {verdict}"
+            )
     for key, label in (("compile_seconds", "compile time (s)"), ("tokens_per_second", "tokens/s")):
         values = [mode["measured"].get(key) for mode in (lora, full)]
         shown = ["n/a (not run)" if v is None else f"{v:,.1f}" for v in values]
@@ -119,12 +167,16 @@ def chart(result: dict[str, Any], path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     bars = [(m, side) for m in ("lora", "full") for side in ("planned", "measured")]
-    top = max(result["modes"][m][side]["peak"] for m, side in bars)
+    top = max(result["modes"][m][side]["peak"] or 0 for m, side in bars)
     unit, scale = ("GiB", 2**30) if top >= 2 * 2**30 else ("MiB", 2**20)
     fig, ax = plt.subplots(figsize=(7.5, 5))
     positions = [0, 0.75, 2.25, 3.0]
     for x, (mode, side) in zip(positions, bars, strict=True):
         data, bottom = result["modes"][mode][side], 0.0
+        if not data["segments"]:
+            label = "does not fit" if not data.get("fits", True) else "not measured"
+            ax.text(x, 0, label, ha="center", va="bottom", fontsize=9, rotation=90)
+            continue
         for segment, color in zip(SEGMENTS, COLORS, strict=True):
             value = max(data["segments"][segment], 0) / scale
             hatch = "//" if side == "planned" else None

@@ -8,13 +8,58 @@ from pathlib import Path
 
 from lowmem_tpu.errors import UserError
 
-# Without the last flag the CPU backend keeps every layer's gathered weights live at once
-# (see XLA_NOTES.md), so FSDP and checkpointing would seem to save little.
-DUMP_FLAGS = "--xla_dump_to={dir} --xla_dump_hlo_pass_re=NONE --xla_cpu_enable_concurrency_optimized_scheduler=false"
+# Without the CPU flag the CPU backend keeps every layer's gathered weights live at once
+# (see XLA_NOTES.md), so FSDP and checkpointing would seem to save little. libtpu does not
+# know --xla_cpu_* flags, so a TPU gets only the dump flags.
+DUMP_FLAGS = "--xla_dump_to={dir} --xla_dump_hlo_pass_re=NONE"
+CPU_SCHEDULER_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+
+
+def dump_flags(directory: Path, platform: str) -> str:
+    """XLA_FLAGS that make the compiler write its buffer assignment for each program into ``directory``."""
+    flags = DUMP_FLAGS.format(dir=directory)
+    return f"{flags} {CPU_SCHEDULER_FLAG}" if platform == "CPU" else flags
+
+
 _TOTAL = re.compile(r"^Total bytes used: (\d+)", re.M)
 _PEAK = re.compile(r"Stack trace breakdown for peak usage: ([\d ]+) bytes")
 _ALLOCATION = re.compile(r"^allocation \d+: size (\d+)(.*)$", re.M)
 _LIVE = re.compile(r"^\s+(\S+?)\{[^}]*\}: (\d+) bytes", re.M)
+# The TPU compiler's refusal, e.g. "RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of
+# memory in memory space hbm. Used 21.95G of 15.48G hbm. Exceeded hbm capacity by 6.47G."
+_EXHAUSTED = re.compile(r"Ran out of memory in memory space (\w+)\. Used ([\d.]+)([KMGT]?)i?B? of ([\d.]+)([KMGT]?)")
+_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+@dataclass(frozen=True)
+class OutOfMemory:
+    """The compiler's RESOURCE_EXHAUSTED for a program: what it needs and what the device has."""
+
+    memory_space: str  # "hbm" (or "vmem", a kernel's scratch)
+    needed_bytes: int
+    capacity_bytes: int
+    message: str
+
+    def describe(self) -> str:
+        return (
+            f"does not fit: the compiler asks for {self.needed_bytes / 2**30:.1f} GiB of "
+            f"{self.capacity_bytes / 2**30:.1f} GiB {self.memory_space}"
+        )
+
+
+def out_of_memory(error: str) -> OutOfMemory | None:
+    """The figures of a RESOURCE_EXHAUSTED compile error (None when ``error`` is something else)."""
+    match = _EXHAUSTED.search(error)
+    if match is None:
+        return None
+    space, used, used_unit, limit, limit_unit = match.groups()
+    line = next((part for part in error.splitlines() if "Ran out of memory" in part), error)
+    return OutOfMemory(
+        space,
+        int(float(used) * _UNITS[used_unit]),
+        int(float(limit) * _UNITS[limit_unit]),
+        line.strip()[:400],
+    )
 
 
 @dataclass(frozen=True)
@@ -50,7 +95,7 @@ def parse_buffer_assignment(path: Path) -> CompilerFigures:
         parameter_bytes=parameter,
         temp_bytes=temp,
         output_bytes=output,
-        module=path.name.split(".cpu_after")[0],
+        module=re.split(r"[._](?:cpu_|tpu_)?after_optimizations", path.name)[0],
     )
 
 

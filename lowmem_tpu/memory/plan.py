@@ -129,19 +129,20 @@ def layer_activations(s: Shape, st: Setting) -> int:
     return st.tokens * per_token + scores
 
 
-def activations(s: Shape, st: Setting, checkpointing: bool | None = None) -> int:
+def activations(s: Shape, st: Setting, layout: str, checkpointing: bool | None = None) -> int:
     """Activation bytes per device at the start of the backward pass.
 
     Without checkpointing every layer keeps its activations. With it, each layer keeps only its
-    input (plus the residual stream once) and one layer at a time is recomputed. On one device
-    the compiler was seen keeping each layer's attention (q, k, v and the softmax numerator)
-    from the forward pass anyway: checkpointing then saves only the MLP's share.
+    input (plus the residual stream once) and one layer at a time is recomputed. The CPU compiler
+    on one device was seen keeping each layer's attention (q, k, v and the softmax numerator) from
+    the forward pass anyway (XLA:CPU drops the optimization barriers that keep recomputation in
+    place): that is modelled in the CPU layout only, never in a TPU plan.
     """
     if not (st.checkpointing if checkpointing is None else checkpointing):
         return s.layers * layer_activations(s, st)
     e = DTYPE_BYTES[st.dtype]
     kept = (s.layers + 1) * st.tokens * s.hidden * e + layer_activations(s, st)
-    if st.devices == 1:
+    if layout == "cpu" and st.devices == 1:
         kept += s.layers * (3 * st.tokens * s.hidden * e + st.live_sequences * s.heads * st.length**2 * 4)
     return kept
 
@@ -273,7 +274,7 @@ def plan_setting(s: Shape, st: Setting, layout: str, capacity: int) -> Plan:
         gradient_phase = sum(t.numel * t.itemsize for t in trainable) + head
     if not st.lora:
         gradient_phase += layer_activations(s, st)  # the first layer's backward, with the rest's gradients done
-    act, lg = activations(s, st) + dropout_masks(s, st), logits_bytes(s, st)
+    act, lg = activations(s, st, layout) + dropout_masks(s, st), logits_bytes(s, st)
     # The loss's buffers (and the gathered head) are live as the backward pass starts; later, each
     # layer's backward needs gradient buffers of its own, the larger of the two is what counts.
     backward = max(lg + workspace, backward_workspace(s, st))
@@ -287,8 +288,9 @@ def plan_setting(s: Shape, st: Setting, layout: str, capacity: int) -> Plan:
         gradients=gradients,
         optimizer=optimizer,
         activations=act,
-        activations_checkpointed=activations(s, st, True) + dropout_masks(s, replace(st, checkpointing=True)),
-        activations_not_checkpointed=activations(s, st, False) + dropout_masks(s, replace(st, checkpointing=False)),
+        activations_checkpointed=activations(s, st, layout, True) + dropout_masks(s, replace(st, checkpointing=True)),
+        activations_not_checkpointed=activations(s, st, layout, False)
+        + dropout_masks(s, replace(st, checkpointing=False)),
         dropout_masks=dropout_masks(s, st),
         logits=lg,
         workspace=workspace,

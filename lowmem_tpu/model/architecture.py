@@ -56,13 +56,17 @@ def count_parameters(model: Any) -> tuple[int, int]:
 def flops_per_token(config: Any, total: int, trainable: int, seq_len: int, lora: bool) -> float:
     """Training FLOPs per token, counting LoRA's cheaper backward honestly.
 
-    Forward: 2 per weight plus attention (4 x layers x hidden x seq). Backward: the same again for
-    activation gradients, plus 2 per *trainable* weight for weight gradients; a frozen base
-    skips those. Recomputation by checkpointing is not counted (this is model FLOPs, not hardware).
+    Forward: 2 per weight, plus attention's two matmuls (scores and the weighted sum of values:
+    4 x layers x hidden x seq, causal masking not subtracted, as PaLM's MFU counts it). Backward:
+    twice the forward for both: gradients of the activations (2 per weight) and of the weights (2 per
+    *trainable* weight: a frozen base skips those), and attention's backward is two matmuls per
+    forward matmul whether or not anything trains. Recomputation by checkpointing is not counted
+    (model FLOPs, not hardware FLOPs).
     """
     layers, hidden = config.num_hidden_layers, config.hidden_size
     embedding = config.vocab_size * hidden  # a lookup, not a matmul
     dense = total - embedding
     trained = trainable - (0 if lora else embedding)
     attention = 4 * layers * hidden * seq_len
-    return 2 * dense + attention + 2 * dense + attention + 2 * trained
+    forward = 2 * dense + attention
+    return forward + (2 * dense + 2 * attention) + 2 * trained

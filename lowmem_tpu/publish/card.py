@@ -186,16 +186,6 @@ def _results_section(metrics: dict[str, Any]) -> str:
     return "## Results\n\n" + table + "; ".join(notes) + "."
 
 
-def _flatten(data: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
-    rows: list[tuple[str, Any]] = []
-    for key, value in data.items():
-        if isinstance(value, dict):
-            rows += _flatten(value, f"{prefix}{key}.")
-        else:
-            rows.append((f"{prefix}{key}", value))
-    return rows
-
-
 def _memory_section(recipe: dict[str, Any], metrics: dict[str, Any]) -> str:
     """What the run recorded about memory; a ``memory`` mapping in metrics.json is rendered row by row."""
     if not metrics:
@@ -213,10 +203,25 @@ def _memory_section(recipe: dict[str, Any], metrics: dict[str, Any]) -> str:
             f"{m['micro_batch_size']} x {m.get('max_length')}" if m.get("micro_batch_size") else None,
         ),
     ]
-    memory = m.get("memory")
-    rows += _flatten(memory) if isinstance(memory, dict) else []
-    note = "" if isinstance(memory, dict) else "\n\nPer-device memory figures were not recorded for this run."
+    memory = m.get("memory") if isinstance(m.get("memory"), dict) else {}
+    rows += _memory_rows(memory)
+    note = "" if memory.get("per_device_gib") else "\n\nPer-device memory figures were not recorded for this run."
     return "## Memory\n\n" + _table(rows, ("quantity", "value")) + note
+
+
+def _memory_rows(memory: dict[str, Any]) -> list[tuple[str, Any]]:
+    """Per-device memory as recorded in metrics.json by ``lowmem-tpu sft`` (lowmem_tpu.memory.record)."""
+    figures = memory.get("per_device_gib") or {}
+    gib = lambda key: f"{figures[key]:.2f} GiB" if figures.get(key) is not None else None  # noqa: E731
+    rows: list[tuple[str, Any]] = []
+    if "planned_peak" in figures:
+        planned = f"{gib('planned_peak')} ({gib('planned_with_margin')} with margin) of {gib('device_memory')}"
+        rows.append(("planned peak per device", f"{planned}; {memory.get('planned_by')}"))
+    if "measured_peak" in figures:
+        rows.append(("measured peak per device", f"{gib('measured_peak')}; {memory.get('measured_by')}"))
+    elif memory.get("not_measured"):
+        rows.append(("measured peak per device", f"not measured: {memory['not_measured']}"))
+    return rows
 
 
 def _merge_section(merge: dict[str, Any]) -> str:

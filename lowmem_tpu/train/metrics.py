@@ -12,7 +12,6 @@ from typing import Any
 from transformers import TrainerCallback
 
 from lowmem_tpu.errors import UserError
-from lowmem_tpu.xla import device
 from lowmem_tpu.xla import runtime as rt
 
 JSONL = "metrics.jsonl"
@@ -45,8 +44,9 @@ class JsonlLog(TrainerCallback):
     checkpoint's step (the run that wrote them was lost), so the file reads as one run.
     """
 
-    def __init__(self, output_dir: str | Path):
+    def __init__(self, output_dir: str | Path, runtime: Any = None):
         self.path = Path(output_dir) / JSONL
+        self.runtime = runtime  # per-device memory figures, where the backend keeps them
 
     def on_train_begin(self, args, state, control, **kwargs) -> None:
         kept = []
@@ -62,9 +62,9 @@ class JsonlLog(TrainerCallback):
 
     def on_log(self, args, state, control, logs=None, **kwargs) -> None:
         entry: dict[str, Any] = {"step": state.global_step, "time": round(time.time(), 3), **(logs or {})}
-        memory = device.memory_info()
-        if memory:
-            entry["memory"] = memory
+        devices = self.runtime.memory_per_device() if self.runtime else []
+        if devices:
+            entry["memory_per_device"] = devices
         with self.path.open("a") as f:
             f.write(json.dumps(entry) + "\n")
 

@@ -22,6 +22,12 @@ def format_log(step: int, max_steps: int, logs: dict[str, float]) -> str:
         ("mfu", "MFU {:.1%}"),
     ]
     parts += [template.format(logs[key]) for key, template in fields if key in logs]
+    planned = logs.get("memory_planned_gib")
+    if "memory_peak_gib" in logs:
+        plan = f" (planned {planned:.2f})" if planned else ""
+        parts.append(f"HBM peak {logs['memory_peak_gib']:.2f} GiB/dev{plan}")
+    elif planned:
+        parts.append(f"memory planned {planned:.2f} GiB/dev")
     return " | ".join(parts)
 
 

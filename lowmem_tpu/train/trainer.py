@@ -84,6 +84,7 @@ def build_trainer(
     *,
     eval_dataset: Any = None,
     flops_per_token: float | None = None,
+    planned_bytes: int | None = None,
 ) -> XlaSFTTrainer:
     """The trainer of a run (and of the memory measurement), on a model already placed on the devices."""
     return XlaSFTTrainer(
@@ -91,6 +92,7 @@ def build_trainer(
         runtime=runtime,
         names=ParamNames(model),
         flops_per_token=flops_per_token,
+        planned_bytes=planned_bytes,
         model=model,
         args=training_args(recipe, micro_batch),
         train_dataset=train_dataset,
@@ -110,12 +112,14 @@ class XlaSFTTrainer(SFTTrainer):
         runtime: rt.Runtime,
         names: Any,
         flops_per_token: float | None = None,
+        planned_bytes: int | None = None,
         **kwargs: Any,
     ):
         self.recipe = recipe
         self.runtime = runtime
         self.names = names  # ParamNames: clean names of the parameters, taken before wrapping
         self.flops_per_token = flops_per_token
+        self.planned_bytes = planned_bytes  # the planner's peak per device for this run
         self._fsdp_model: torch.nn.Module | None = None
         self._totals: dict[str, torch.Tensor] = {}
         self.save_compiles: dict[int, int] = {}  # step -> XLA compilations its checkpoint caused
@@ -200,6 +204,7 @@ class XlaSFTTrainer(SFTTrainer):
         totals = self.read_totals(mode)
         if mode == "train":
             logs.update(self._throughput(totals))
+            logs.update(self._memory())
         elif totals:
             logs["eval_token_accuracy"] = totals["correct"] / max(totals["label_tokens"], 1)
             for name in [n for n in self._totals if n.startswith("eval/")]:
@@ -228,6 +233,16 @@ class XlaSFTTrainer(SFTTrainer):
                 positions = steps * self.recipe.train.global_batch_size * self.recipe.data.max_length
                 achieved = positions * self.flops_per_token / seconds / self.runtime.num_devices
                 out["mfu"] = achieved / self.runtime.peak_flops
+        return out
+
+    def _memory(self) -> dict[str, float]:
+        """Per-device memory for the log line: the plan always, the device's figures where it keeps them."""
+        out = {"memory_planned_gib": self.planned_bytes / 2**30} if self.planned_bytes else {}
+        devices = self.runtime.memory_per_device()
+        if devices:
+            out["memory_used_gib"] = max(d["used"] for d in devices) / 2**30
+            out["memory_peak_gib"] = max(d["peak"] for d in devices) / 2**30
+            out["memory_limit_gib"] = min(d["limit"] for d in devices) / 2**30
         return out
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:

@@ -1,9 +1,11 @@
 """The PyTorch/XLA backend: the only folder that imports torch_xla.
 
 ``runtime`` starts it (PJRT environment, SPMD, the mesh, the compile cache, compile counters),
-``device`` answers questions about the devices (kind, memory, a tensor's sharding), ``devices``
-is the catalog of TPU VMs as plain data, ``sharding`` places and wraps the model (FSDPv2 with
-per-layer checkpointing) and ``scan`` scans one compiled layer over all of them.
+``device`` answers questions about the devices (kind, memory, a tensor's sharding), ``tpu``
+reads the TPU VM's hardware without torch_xla (the chips on the PCI bus, libtpu's HBM metrics,
+which under SPMD torch_xla cannot give), ``sharding`` places and wraps the model (FSDPv2 with
+per-layer checkpointing), ``scan`` scans one compiled layer over all of them and ``transfer``
+copies device tensors to the host. The catalog of TPU VMs is plain data in ``config.devices``.
 
 Everything else asks this folder, so that a second backend (TorchTPU: FSDP2 on a ``"tpu"``
 device) can sit beside it. It imports ``config`` and ``model``; torch_xla itself is imported

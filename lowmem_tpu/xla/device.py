@@ -1,26 +1,29 @@
-"""Facts about the devices: their kind, peak FLOP/s, memory in use, and a tensor's sharding."""
+"""Facts about the devices a run uses: their kind, peak FLOP/s, memory per device, a tensor's sharding.
+
+The kind and the memory are read from the hardware (:mod:`lowmem_tpu.xla.tpu`), not from torch_xla:
+under SPMD torch_xla 2.9 answers neither (see that module).
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
-from lowmem_tpu.xla.devices import PEAK_FLOPS
+from lowmem_tpu.config.devices import generation_of
+from lowmem_tpu.xla.tpu import HbmMonitor, local_chips
 
 
-def device_kind() -> str:
-    """What the first device is, e.g. 'TPU v4' or 'cpu'."""
-    import torch_xla.runtime as xr
-
-    attributes = xr.global_runtime_device_attributes()
-    return str(attributes[0].get("device_kind", "unknown")) if attributes else "unknown"
+def device_kind(platform: str) -> str:
+    """What the devices are, as PJRT names them ("TPU v5 lite", "TPU v4", ...), "cpu", or "unknown"."""
+    if platform != "TPU":
+        return "cpu"
+    chips = local_chips()
+    return chips.generation.kind if chips.generation else "unknown"
 
 
 def peak_flops_per_device(kind: str) -> float | None:
-    """Peak bf16 FLOP/s of one device of this kind (None off TPU or when unknown)."""
-    for prefix, flops in sorted(PEAK_FLOPS.items(), key=lambda item: -len(item[0])):
-        if kind.startswith(prefix):
-            return flops
-    return None
+    """Peak dense bf16 FLOP/s of one XLA device of this kind (None for the CPU or an unknown kind)."""
+    generation = generation_of(kind)
+    return generation.peak_flops if generation else None
 
 
 def sharding_spec(tensor: Any) -> str:
@@ -30,14 +33,6 @@ def sharding_spec(tensor: Any) -> str:
     return torch_xla._XLAC._get_xla_sharding_spec(tensor)
 
 
-def memory_info() -> dict[str, int]:
-    """Bytes in use, limit and peak of the first device; {} where none are kept (the CPU backend)."""
-    import torch_xla
-
-    # What xm.get_memory_info reads; under SPMD the virtual device may not resolve to a chip.
-    for name in (str(torch_xla.device()), "TPU:0"):
-        try:
-            return dict(torch_xla._XLAC._xla_memory_info(name))
-        except RuntimeError:
-            continue
-    return {}
+def memory_monitor(platform: str) -> HbmMonitor | None:
+    """A running HBM monitor on a TPU (None on the CPU backend, which keeps no allocator statistics)."""
+    return HbmMonitor().start() if platform == "TPU" else None

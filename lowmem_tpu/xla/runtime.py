@@ -9,10 +9,12 @@ from pathlib import Path
 from typing import Any
 
 from lowmem_tpu.config import RuntimeSection
+from lowmem_tpu.config.devices import DEVICES, generation_of
 from lowmem_tpu.config.platform import platform_for
 from lowmem_tpu.console import quiet_python_warnings
 from lowmem_tpu.errors import UserError
-from lowmem_tpu.xla.device import device_kind, peak_flops_per_device
+from lowmem_tpu.xla.device import device_kind, memory_monitor, peak_flops_per_device
+from lowmem_tpu.xla.tpu import HbmMonitor
 
 MESH_AXES = ("fsdp", "tensor")
 
@@ -26,15 +28,21 @@ class Runtime:
     device: Any  # torch.device("xla:0"), the SPMD virtual device
     mesh: Any  # torch_xla.distributed.spmd.Mesh with axes ("fsdp", "tensor")
     compile_cache_dir: str | None
-    kind: str = "unknown"  # device_kind, e.g. "TPU v4"
+    kind: str = "unknown"  # device_kind, e.g. "TPU v5 lite", or "cpu"
+    monitor: HbmMonitor | None = None  # HBM per device on a TPU (libtpu's runtime metrics)
 
     @property
     def peak_flops(self) -> float | None:
         """Peak bf16 FLOP/s of one device (None off TPU)."""
         return peak_flops_per_device(self.kind) if self.platform == "TPU" else None
 
+    def memory_per_device(self) -> list[dict[str, int]]:
+        """Bytes in use, sampled peak and limit of each device ([] where the backend keeps none: the CPU)."""
+        return self.monitor.per_device() if self.monitor else []
+
     def describe(self) -> str:
-        return f"{self.num_devices} {self.platform} device{'s' if self.num_devices > 1 else ''} (SPMD, fsdp mesh)"
+        kind = f" ({self.kind})" if self.platform == "TPU" else ""
+        return f"{self.num_devices} {self.platform} device{'s' if self.num_devices > 1 else ''}{kind}, SPMD fsdp mesh"
 
 
 def configure_environment(cfg: RuntimeSection) -> str:
@@ -79,7 +87,25 @@ def setup_runtime(cfg: RuntimeSection) -> Runtime:
     xs.set_global_mesh(mesh)
     device = torch_xla.device()
     assert isinstance(device, torch.device)
-    return Runtime(platform, num_devices, device, mesh, cache_dir, device_kind())
+    kind = device_kind(platform)
+    if platform == "TPU":
+        _check_target(cfg.target, kind, num_devices)
+    return Runtime(platform, num_devices, device, mesh, cache_dir, kind, memory_monitor(platform))
+
+
+def _check_target(target: str | None, kind: str, num_devices: int) -> None:
+    """Warn when the TPU found is not the one the recipe was sized for (its plan may not hold here)."""
+    planned = DEVICES.get(target or "")
+    generation = generation_of(kind)
+    if planned is None or generation is None:
+        return
+    if (planned.generation, planned.devices) != (generation.name, num_devices):
+        here = f"{num_devices} x {kind}"
+        warnings.warn(
+            f"runtime.target is {planned.name} ({planned.about}) but this TPU is {here}: the recipe's memory "
+            f"plan may not hold; check with: lowmem-tpu memory RECIPE --device <this TPU>",
+            stacklevel=3,
+        )
 
 
 def _init_cache(path: str | None, platform: str, xr: Any) -> str | None:

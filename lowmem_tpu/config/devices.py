@@ -1,0 +1,123 @@
+"""The TPU VMs people use, as plain data: XLA devices, memory and peak bf16 FLOP/s per device.
+
+Imports no torch: the recipe (``runtime.target``), the planner and the runtime (MFU) all read it.
+A v2-8/v3-8 shows 8 XLA devices (one per TensorCore, two per chip); from v4 on there is one XLA
+device per chip (a v4-8 or v5p-8 has 4 chips: those names count TensorCores).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lowmem_tpu.errors import UserError
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One TPU chip generation, per XLA device (a core on v2/v3, a chip from v4 on)."""
+
+    name: str  # "v5e"
+    kind: str  # what PJRT calls it (device_kind), e.g. "TPU v5 lite"
+    hbm_bytes: int  # nominal HBM per XLA device
+    usable_bytes: int  # what the TPU compiler allows a program ("Used X of <usable> hbm")
+    peak_flops: float  # dense bf16 FLOP/s per XLA device
+    devices_per_chip: int = 1
+
+
+def _g(gib: float) -> int:
+    return int(gib * GiB)
+
+
+# usable_bytes: the capacity in the TPU compiler's RESOURCE_EXHAUSTED messages ("Used 21.9G of 7.48G
+# hbm" on v2, 15.48G v3, 30.75G v4, 15.75G v5e) and tpu-info's total (31.25 GiB on v6e); v5p: nominal.
+GENERATIONS = {
+    g.name: g
+    for g in (
+        Generation("v2", "TPU v2", 8 * GiB, _g(7.48), 22.5e12, devices_per_chip=2),
+        Generation("v3", "TPU v3", 16 * GiB, _g(15.48), 61.5e12, devices_per_chip=2),
+        Generation("v4", "TPU v4", 32 * GiB, _g(30.75), 275e12),
+        Generation("v5e", "TPU v5 lite", 16 * GiB, _g(15.75), 197e12),
+        Generation("v5p", "TPU v5", 95 * GiB, 95 * GiB, 459e12),
+        Generation("v6e", "TPU v6 lite", 32 * GiB, _g(31.25), 918e12),
+    )
+}
+
+
+@dataclass(frozen=True)
+class Device:
+    """One kind of TPU VM (or this machine's CPU backend): its XLA devices and their memory."""
+
+    name: str
+    devices: int
+    hbm_bytes: int  # per XLA device: what the planner budgets (the usable figure on a TPU)
+    about: str
+    generation: str = "cpu"
+    legacy: bool = False  # no longer offered by Kaggle or Colab
+
+    @property
+    def peak_flops(self) -> float | None:
+        """Peak bf16 FLOP/s of one XLA device (None on the CPU backend)."""
+        chip = GENERATIONS.get(self.generation)
+        return chip.peak_flops if chip else None
+
+
+def _vm(name: str, generation: str, devices: int, where: str = "", legacy: bool = False) -> Device:
+    g = GENERATIONS[generation]
+    unit = "cores" if g.devices_per_chip > 1 else ("chip" if devices == 1 else "chips")
+    about = f"TPU {name}: {devices} {unit} x {g.hbm_bytes // GiB} GiB{where}"
+    return Device(name, devices, g.usable_bytes, about, generation, legacy)
+
+
+DEVICES = {
+    d.name: d
+    for d in (
+        _vm("v5e-1", "v5e", 1, " (Colab's free TPU)"),
+        _vm("v5e-4", "v5e", 4),
+        _vm("v5e-8", "v5e", 8, " (Kaggle's free TPU)"),
+        _vm("v6e-1", "v6e", 1),
+        _vm("v6e-4", "v6e", 4),
+        _vm("v6e-8", "v6e", 8),
+        _vm("v4-8", "v4", 4),
+        _vm("v5p-8", "v5p", 4),
+        _vm("v3-8", "v3", 8, " (legacy: Kaggle's TPU until 2025)", legacy=True),
+        _vm("v2-8", "v2", 8, " (legacy: Colab's TPU until September 2025)", legacy=True),
+    )
+}
+TARGETS = (*DEVICES, "cpu")
+
+
+def find_device(name: str, cpu_devices: int) -> Device:
+    """A known device by name; ``cpu`` is this machine's memory split over ``runtime.num_cpu_devices``."""
+    if name == "cpu":
+        return Device("cpu", cpu_devices, host_memory() // cpu_devices, f"CPU backend: {cpu_devices} devices")
+    if name not in DEVICES:
+        raise UserError(f"--device: unknown device {name!r}; known devices: {', '.join(TARGETS)}")
+    return DEVICES[name]
+
+
+def device_for(generation: str, xla_devices: int) -> Device | None:
+    """The catalog's VM with this chip generation and XLA device count (None when it has none)."""
+    for device in DEVICES.values():
+        if device.generation == generation and device.devices == xla_devices:
+            return device
+    return None
+
+
+def generation_of(kind: str) -> Generation | None:
+    """The chip generation a device kind names: PJRT's ("TPU v5 lite") or a short one ("v5e", "TPU v6e")."""
+    text = kind.lower().removeprefix("tpu").strip()
+    for g in GENERATIONS.values():
+        if text in (g.name, g.kind.lower().removeprefix("tpu").strip()):
+            return g
+    return None
+
+
+def host_memory() -> int:
+    """This machine's RAM in bytes (/proc/meminfo; 16 GiB when it cannot be read)."""
+    try:
+        with open("/proc/meminfo") as f:
+            return int(f.readline().split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return 16 * GiB

@@ -1,0 +1,187 @@
+"""The subprocess of :mod:`lowmem_tpu.memory.measure`: the recipe's real training step, built sharded.
+
+``compile`` traces the step, hands it to XLA and exits before it executes (the compiler writes
+its buffer assignment for one device's partition); ``run`` runs N real steps and reads what the
+devices report. Either way a program the TPU compiler refuses (RESOURCE_EXHAUSTED) is a result:
+its figures are recorded, the process exits cleanly.
+
+    python -m lowmem_tpu.memory.step {compile|run} RECIPE.yaml STEPS RESULT.json [OVERRIDES...]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from lowmem_tpu.config import Recipe, load_recipe
+from lowmem_tpu.errors import UserError
+from lowmem_tpu.memory.compiler import out_of_memory
+from lowmem_tpu.memory.measure import persistent_state
+
+
+def build_sharded_model(recipe: Recipe, runtime: Any) -> Any:
+    """The recipe's model (quantized and LoRA applied) with random weights, one module at a time.
+
+    The model is built on the ``meta`` device, its linears swapped for ``QuantizedLinear``s when
+    ``model.quantize`` asks (before LoRA, as ``lowmem-tpu sft`` does); each module's own parameters
+    are then created on the host (random integers for a quantized weight) and moved by
+    ``sharding.place_parameters``, which shards each on arrival. The host never holds more than
+    one module, so a 3B model fits where a full host copy would not. The device ends up holding
+    exactly what ``lowmem-tpu sft`` places (same shapes, dtypes, shardings); only the values
+    differ, which memory does not depend on.
+    """
+    import torch
+
+    from lowmem_tpu.memory.shape import require_config
+    from lowmem_tpu.model import apply_lora, load_config, meta_model
+    from lowmem_tpu.xla.sharding import place_parameters
+
+    config = load_config(recipe.model, offline=True) or require_config(recipe)
+    model = apply_lora(meta_model(config, recipe.model), recipe)
+    for module in model.modules():
+        own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+        if not any(t.is_meta for t in own):
+            continue
+        module.to_empty(device="cpu", recurse=False)
+        with torch.no_grad():
+            for param in module.parameters(recurse=False):
+                if param.is_floating_point():
+                    param.normal_(0.0, 0.02)
+                elif param.dtype == torch.uint8:  # packed int4: two nibbles in 1..15
+                    param.random_(0, 256)
+                else:  # int8 weights in the quantizer's range
+                    param.random_(-127, 128)
+        place_parameters(module, runtime, recipe.sharding.strategy)
+    if getattr(model.config, "tie_word_embeddings", False):
+        model.tie_weights()
+    return model
+
+
+def synthetic_dataset(recipe: Recipe, vocab_size: int, rows: int) -> Any:
+    """Rows of ``data.max_length`` random tokens: the step's shapes are the real data's (every row is padded)."""
+    import datasets
+    import numpy as np
+
+    ids = np.random.default_rng(0).integers(3, vocab_size, size=(rows, recipe.data.max_length)).tolist()
+    ones = [[1] * recipe.data.max_length] * rows
+    return datasets.Dataset.from_dict({"input_ids": ids, "attention_mask": ones, "labels": ids})
+
+
+def any_tokenizer(recipe: Recipe) -> Any:
+    """The recipe's tokenizer when it is available offline, else the shipped one (only its pad id is used)."""
+    from lowmem_tpu.config import ModelSection
+    from lowmem_tpu.model import load_tokenizer
+
+    try:
+        return load_tokenizer(recipe.model)
+    except (UserError, OSError, ValueError):
+        return load_tokenizer(ModelSection(name_or_path="builtin:tiny-llama", random_init=True))
+
+
+def _host_peak_rss() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _trainer(recipe: Recipe, runtime: Any, model: Any, micro: int, callback: Any) -> Any:
+    """The XlaSFTTrainer ``lowmem-tpu sft`` builds, on synthetic rows of the recipe's shape."""
+    from lowmem_tpu.train.trainer import build_trainer
+
+    rows = recipe.train.global_batch_size * (recipe.train.max_steps + 1)
+    dataset = synthetic_dataset(recipe, model.config.vocab_size, rows)
+    return build_trainer(recipe, runtime, model, dataset, any_tokenizer(recipe), micro, [callback])
+
+
+def _finish(record: dict[str, Any], result: Path) -> None:
+    result.write_text(json.dumps(record))
+    sys.stdout.flush()
+    os._exit(0)  # leave before anything else executes: it may need more memory than this host has
+
+
+def _refused(err: Exception, record: dict[str, Any], result: Path, model: Any, optimizer: Any) -> None:
+    """A RESOURCE_EXHAUSTED from the compiler is this measurement's result; anything else is re-raised."""
+    oom = out_of_memory(str(err))
+    if oom is None:
+        raise err
+    record["out_of_memory"] = asdict(oom)
+    record["state"] = asdict(persistent_state(model, optimizer))
+    _finish(record, result)
+
+
+def _hook(kind: str, steps: int, record: dict[str, Any], result: Path) -> Any:
+    """The trainer callback of :func:`_child`: times ``run``; compiles, records and exits for ``compile``."""
+    from transformers import TrainerCallback
+
+    from lowmem_tpu.xla import runtime as rt
+
+    dump = Path(os.environ.get("LOWMEM_DUMP_DIR", "."))
+
+    class Hook(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs) -> None:
+            if kind == "run" and state.global_step == min(2, steps - 1):
+                rt.sync()
+                rt.wait()  # warm-up (and its compilations) done: time the steps after it
+                record["timed_from"] = (state.global_step, time.perf_counter())
+
+        def on_step_end(self, args, state, control, model=None, optimizer=None, **kwargs) -> None:
+            if kind != "compile" or state.global_step < steps:
+                return
+            optimizer = getattr(optimizer, "optimizer", optimizer)
+            before = {p.name for p in dump.glob("*buffer-assignment.txt")}
+            started = time.perf_counter()
+            try:
+                rt.sync()  # compiles the step now; its execution is queued and never waited for
+            except (RuntimeError, ValueError) as err:
+                _refused(err, record, result, model, optimizer)
+            record["compile_seconds"] = round(time.perf_counter() - started, 2)
+            record["state"] = asdict(persistent_state(model, optimizer))
+            record["programs"] = sorted(p.name for p in dump.glob("*buffer-assignment.txt") if p.name not in before)
+            record["host_peak_rss_bytes"] = _host_peak_rss()
+            _finish(record, result)
+
+    return Hook()
+
+
+def _child(kind: str, recipe_path: str, steps: int, result: Path, overrides: list[str]) -> None:
+    """The subprocess: ``compile`` traces the real step and compiles it, ``run`` runs ``steps`` real steps.
+
+    ``compile`` exits as soon as the step is compiled, before it executes (with ``steps=2`` the
+    first step runs for real, so that the compiled one holds the optimizer state as inputs).
+    """
+    from lowmem_tpu.config import micro_batch_size
+    from lowmem_tpu.xla import runtime as rt
+
+    recipe = load_recipe(recipe_path, [*overrides, f"train.max_steps={steps}", "train.eval_steps=null"])
+    runtime = rt.setup_runtime(recipe.runtime)
+    micro = micro_batch_size(recipe, runtime.num_devices)
+    model = build_sharded_model(recipe, runtime)
+    record: dict[str, Any] = {"num_devices": runtime.num_devices, "micro_batch_size": micro, "step": steps}
+    record["device_kind"] = runtime.kind
+    trainer = _trainer(recipe, runtime, model, micro, _hook(kind, steps, record, result))
+    try:
+        trainer.train()
+        rt.wait()
+    except (RuntimeError, ValueError) as err:  # a step the compiler refused, before the hook's
+        _refused(err, record, result, model, trainer.optimizer)
+    first, started = record.pop("timed_from", (0, time.perf_counter()))
+    seconds = time.perf_counter() - started
+    tokens = (steps - first) * recipe.train.global_batch_size * recipe.data.max_length
+    record |= {
+        "state": asdict(persistent_state(model, trainer.optimizer)),
+        "memory_per_device": runtime.memory_per_device(),
+        "memory_error": runtime.monitor.error if runtime.monitor else "the CPU backend keeps no allocator statistics",
+        "compile_seconds": round(rt.compile_seconds(), 2),
+        "tokens_per_second": tokens / seconds if seconds > 0 and steps > first else None,
+    }
+    result.write_text(json.dumps(record))
+
+
+if __name__ == "__main__":  # the subprocess of measure.compile_step and measure.run_steps
+    _child(sys.argv[1], sys.argv[2], int(sys.argv[3]), Path(sys.argv[4]), sys.argv[5:])

@@ -1,0 +1,170 @@
+"""What the code knows about TPUs: the device kind, HBM under SPMD, peak FLOP/s and MFU, the compiler's refusal.
+
+The CPU tests cover the shared paths (and pin down why torch_xla cannot answer under SPMD); the
+``tpu``-marked tests run the same functions on a TPU and fail if a figure comes back empty.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from lowmem_tpu.config import RuntimeSection, load_recipe
+from lowmem_tpu.config.devices import GENERATIONS, GiB, generation_of
+from lowmem_tpu.memory.compiler import out_of_memory
+from lowmem_tpu.model.architecture import flops_per_token
+from lowmem_tpu.xla import tpu
+
+ROOT = Path(__file__).resolve().parents[1]
+ON_TPU = os.environ.get("PJRT_DEVICE", "CPU").upper() == "TPU"
+
+
+def test_torch_xla_gives_neither_kind_nor_memory_under_spmd():
+    """Why the kind comes from the PCI bus and HBM from libtpu: both torch_xla calls refuse SPMD's device."""
+    import torch_xla.core.xla_model as xm
+
+    from lowmem_tpu.xla.runtime import setup_runtime
+
+    runtime = setup_runtime(RuntimeSection(device="cpu"))
+    with pytest.raises(RuntimeError, match="Unknown device SPMD:0"):
+        xm.xla_device_kind()
+    with pytest.raises(RuntimeError, match="SPMD virtual device"):
+        xm.get_memory_info()
+    assert runtime.kind == "cpu" and runtime.peak_flops is None
+    assert runtime.monitor is None and runtime.memory_per_device() == []
+
+
+def _pci(root: Path, name: str, vendor: str, device: str, subsystem: str = "0x0000") -> None:
+    folder = root / name
+    folder.mkdir(parents=True)
+    for key, value in (("vendor", vendor), ("device", device), ("subsystem_device", subsystem)):
+        (folder / key).write_text(value + "\n")
+
+
+def test_chips_are_read_from_the_pci_bus(tmp_path, monkeypatch):
+    monkeypatch.delenv("TPU_ACCELERATOR_TYPE", raising=False)
+    for i in range(8):
+        _pci(tmp_path / "v5e", f"0000:00:0{i}.0", "0x1ae0", "0x0063")
+    _pci(tmp_path / "v5e", "0000:00:1f.0", "0x8086", "0x0063")  # not Google's: ignored
+    chips = tpu.local_chips(str(tmp_path / "v5e"))
+    assert (chips.generation.name, chips.count, chips.xla_devices, chips.source) == ("v5e", 8, 8, "pci")
+    for i in range(4):
+        _pci(tmp_path / "v3", f"0000:00:0{i}.0", "0x1ae0", "0x0027", "0x004f")
+    chips = tpu.local_chips(str(tmp_path / "v3"))
+    assert (chips.generation.name, chips.count, chips.xla_devices) == ("v3", 4, 8)  # two cores per chip
+    assert tpu.local_chips(str(tmp_path / "none")).generation is None
+
+
+@pytest.mark.parametrize(
+    "accelerator, generation, chips",
+    [("v5litepod-8", "v5e", 8), ("v5e-1", "v5e", 1), ("v6e-4", "v6e", 4), ("v4-8", "v4", 4), ("v5p-8", "v5p", 4)],
+)
+def test_accelerator_type_is_the_fallback(tmp_path, monkeypatch, accelerator, generation, chips):
+    monkeypatch.setenv("TPU_ACCELERATOR_TYPE", accelerator)
+    found = tpu.local_chips(str(tmp_path))
+    assert (found.generation.name, found.count, found.source) == (generation, chips, "TPU_ACCELERATOR_TYPE")
+
+
+def test_every_generation_has_a_kind_peak_flops_and_usable_memory():
+    for g in GENERATIONS.values():
+        assert generation_of(g.kind) is g and generation_of(g.name) is g
+        assert g.peak_flops > 1e13 and 0.9 * g.hbm_bytes < g.usable_bytes <= g.hbm_bytes
+
+
+def test_libtpu_metrics_say_why_they_are_unavailable_here():
+    with pytest.raises(tpu.MetricsUnavailable, match="localhost:8431"):
+        tpu.hbm_usage(timeout=2)
+    monitor = tpu.HbmMonitor().start()
+    assert monitor.per_device() == [] and "8431" in monitor.error
+
+
+def test_the_compilers_refusal_is_read_into_figures():
+    message = (
+        "RuntimeError: Bad StatusOr access: RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory "
+        "in memory space hbm. Used 31.20G of 15.75G hbm. Exceeded hbm capacity by 15.45G.\n\nTotal hbm usage >= 32G"
+    )
+    oom = out_of_memory(message)
+    assert oom.memory_space == "hbm" and oom.needed_bytes == int(31.2 * GiB) and oom.capacity_bytes == int(15.75 * GiB)
+    assert oom.describe() == "does not fit: the compiler asks for 31.2 GiB of 15.8 GiB hbm"
+    small = out_of_memory("Ran out of memory in memory space vmem. Used 32.42M of 16.00M vmem.")
+    assert small.memory_space == "vmem" and small.needed_bytes == int(32.42 * 2**20)
+    assert out_of_memory("RuntimeError: something else") is None
+
+
+def test_model_flops_count_attentions_backward_twice():
+    config = SimpleNamespace(num_hidden_layers=4, hidden_size=64, vocab_size=100)
+    dense, embedding, seq = 50_000, 100 * 64, 32
+    attention = 4 * 4 * 64 * seq  # forward: scores and values
+    full = flops_per_token(config, dense + embedding, dense + embedding, seq, lora=False)
+    assert full == 6 * dense + 3 * attention  # PaLM's 6N + 12 L h s
+    lora = flops_per_token(config, dense + embedding, 1000, seq, lora=True)
+    assert lora == 4 * dense + 2 * 1000 + 3 * attention
+
+
+# ----------------------------------------------------------------------------- on a TPU
+
+
+@pytest.mark.tpu
+@pytest.mark.skipif(not ON_TPU, reason="needs a TPU (PJRT_DEVICE=TPU)")
+def test_tpu_kind_peak_flops_and_hbm_under_spmd():  # pragma: no cover - TPU only
+    import torch
+
+    from lowmem_tpu.xla.runtime import setup_runtime
+
+    runtime = setup_runtime(RuntimeSection(device="tpu"))
+    assert generation_of(runtime.kind) is not None, runtime.kind
+    assert runtime.peak_flops and runtime.peak_flops > 1e14
+    before = runtime.monitor.sample()
+    assert before, runtime.monitor.error
+    import torch_xla
+
+    block = torch.ones(2**28, device=runtime.device)  # 1 GiB, replicated: on every device
+    torch_xla.sync()
+    after = runtime.monitor.sample()
+    assert all(a.used >= b.used + 2**30 * 0.9 for a, b in zip(after, before, strict=True))
+    assert all(0 < a.used < a.limit for a in after) and len(after) == runtime.num_devices
+    del block
+
+
+@pytest.mark.tpu
+@pytest.mark.skipif(not ON_TPU, reason="needs a TPU (PJRT_DEVICE=TPU)")
+def test_tpu_run_records_mfu_and_measured_memory(tmp_path):  # pragma: no cover - TPU only
+    from lowmem_tpu.doctor import _sft
+
+    metrics, error = _sft(tmp_path / "run", tmp_path / "cache", 8, 1200)
+    assert metrics is not None, error
+    assert metrics["train"]["steady_mfu"] and metrics["train"]["steady_mfu"] > 0
+    figures = metrics["memory"]["per_device_gib"]
+    assert figures["measured_peak"] > 0 and figures["planned_peak"] > 0
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert any(line.get("memory_per_device") for line in lines) and any("memory_peak_gib" in line for line in lines)
+
+
+@pytest.mark.tpu
+@pytest.mark.skipif(not ON_TPU, reason="needs a TPU (PJRT_DEVICE=TPU)")
+def test_tpu_compiler_refusal_is_a_result_not_a_crash():  # pragma: no cover - TPU only
+    from lowmem_tpu.memory.measure import compile_step
+
+    overrides = ["runtime.device=tpu", "data.max_length=512", "train.global_batch_size=16384"]
+    overrides += ["sharding.activation_checkpointing=false", "data.eval_path=null", "train.eval_samples=0"]
+    recipe = load_recipe(ROOT / "recipes/tiny_lora_cpu.yaml", overrides)
+    step = compile_step(recipe, 1, platform="TPU", timeout=1800)
+    assert step.out_of_memory is not None and step.compiler is None
+    assert step.out_of_memory.needed_bytes > step.out_of_memory.capacity_bytes > 0
+
+
+@pytest.mark.tpu
+@pytest.mark.skipif(not ON_TPU, reason="needs a TPU (PJRT_DEVICE=TPU)")
+def test_doctor_passes_on_a_tpu(tmp_path):  # pragma: no cover - TPU only
+    out = tmp_path / "doctor.json"
+    done = subprocess.run([sys.executable, "-m", "lowmem_tpu.cli", "doctor", "--out", str(out)], capture_output=True)
+    assert done.returncode == 0, done.stdout.decode()[-3000:]
+    report = json.loads(out.read_text())
+    status = {c["name"]: c["status"] for c in report["checks"]}
+    assert status["MFU"] == "ok" and status["memory per device"] == "ok" and status["compile cache reuse"] == "ok"
