@@ -46,8 +46,25 @@ def test_every_log_is_a_json_line_as_it_happens(saving_run):
     assert [entry["step"] for entry in train] == [5, 10, 15]
     for entry in train:
         assert {"loss", "learning_rate", "grad_norm", "time"} <= set(entry)
+        # memory per device: the plan always; measured figures only where the backend keeps them (not the CPU)
+        planned = run.metrics["memory"]["per_device_bytes"]["planned_peak"]
+        assert planned > 0 and entry["memory_planned_gib"] == pytest.approx(planned / 2**30)
+        assert "memory_peak_gib" not in entry and "memory_per_device" not in entry
     assert all(key in train[-1] for key in ("tokens_per_second", "step_time"))
     assert [e["loss"] for e in train] == [e["loss"] for e in run.metrics["train"]["losses"]]
+
+
+def test_the_model_card_shows_the_memory_the_run_recorded(saving_run):
+    from lowmem_tpu.publish.card import model_card
+
+    recipe, _ = saving_run
+    final = Path(recipe.output_dir) / "final"
+    memory = json.loads((final / "metrics.json").read_text())["memory"]
+    planned = memory["per_device_bytes"]["planned_peak"]
+    assert 0 < planned < memory["per_device_bytes"]["device_memory"] and memory["planned_by"].endswith("cpu layout")
+    text = model_card(final, "alice/x", "adapter")
+    assert f"| planned peak per device | {planned / 2**20:.1f} MiB (" in text
+    assert "not measured: the CPU backend keeps no allocator statistics" in text and "not recorded" not in text
 
 
 def test_a_missing_reporting_integration_is_refused_before_loading(tmp_path):

@@ -252,18 +252,6 @@ def test_recipe_push_checks_at_start_and_pushes_at_the_end(run, hub, monkeypatch
     )
 
 
-def test_card_renders_the_memory_the_run_recorded(run, tmp_path):
-    from lowmem_tpu.publish.card import model_card
-
-    adapter, _ = run
-    memory = json.loads((adapter / "metrics.json").read_text())["memory"]
-    planned = memory["per_device_gib"]["planned_peak"]
-    assert 0 < planned < memory["per_device_gib"]["device_memory"]
-    text = model_card(adapter, "alice/x", "adapter")
-    assert f"| planned peak per device | {planned:.2f} GiB" in text
-    assert "not measured: the CPU backend keeps no allocator statistics" in text and "not recorded" not in text
-
-
 def test_cli_never_shows_or_writes_the_token(run, hub, tmp_path):
     adapter, _ = run
     home = tmp_path / "hf-home"

@@ -168,3 +168,12 @@ def test_doctor_passes_on_a_tpu(tmp_path):  # pragma: no cover - TPU only
     report = json.loads(out.read_text())
     status = {c["name"]: c["status"] for c in report["checks"]}
     assert status["MFU"] == "ok" and status["memory per device"] == "ok" and status["compile cache reuse"] == "ok"
+
+
+def test_log_lines_carry_memory_per_device():
+    from lowmem_tpu.train.progress import format_log
+
+    cpu = format_log(10, 100, {"loss": 1.0, "memory_planned_gib": 0.004})
+    assert cpu.endswith("| memory planned 4.1 MiB/dev")
+    tpu_line = format_log(10, 100, {"loss": 1.0, "memory_planned_gib": 11.3, "memory_peak_gib": 10.5})
+    assert tpu_line.endswith("| HBM peak 10.50 GiB/dev (planned 11.30 GiB)")

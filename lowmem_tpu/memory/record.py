@@ -43,19 +43,15 @@ def run_plan(recipe: Recipe, config: Any, platform: str, kind: str, devices: int
 
 def memory_record(plan: Plan | None, per_device: list[dict[str, int]], platform: str) -> dict[str, Any]:
     """``metrics.json``'s ``memory``: planned and measured per device, in GiB, each with where it came from."""
-    record: dict[str, Any] = {"per_device_gib": {}, "planned_by": None, "measured_by": None}
-    figures = record["per_device_gib"]
+    record: dict[str, Any] = {"per_device_bytes": {}, "planned_by": None, "measured_by": None}
+    figures = record["per_device_bytes"]
     if plan is not None:
-        figures |= {
-            "planned_peak": round(plan.peak / GiB, 3),
-            "planned_with_margin": round(plan.needed / GiB, 3),
-            "device_memory": round(plan.capacity / GiB, 3),
-        }
+        figures |= {"planned_peak": plan.peak, "planned_with_margin": plan.needed, "device_memory": plan.capacity}
         record["planned_by"] = f"lowmem_tpu.memory planner, {plan.layout} layout"
     if per_device:
         figures |= {
-            "measured_peak": round(max(d["peak"] for d in per_device) / GiB, 3),
-            "measured_in_use_at_end": round(max(d["used"] for d in per_device) / GiB, 3),
+            "measured_peak": max(d["peak"] for d in per_device),
+            "measured_in_use_at_end": max(d["used"] for d in per_device),
         }
         record["measured_by"] = "libtpu runtime metrics (HBM in use per device, sampled every 0.25 s: the peak sampled)"
         record["devices"] = per_device
@@ -63,4 +59,5 @@ def memory_record(plan: Plan | None, per_device: list[dict[str, int]], platform:
         record["not_measured"] = NOT_MEASURED_ON_CPU
     else:
         record["not_measured"] = "libtpu's runtime metrics were not readable (see `lowmem-tpu doctor`)"
+    record["per_device_gib"] = {key: round(value / GiB, 4) for key, value in figures.items()}
     return record

@@ -205,14 +205,20 @@ def _memory_section(recipe: dict[str, Any], metrics: dict[str, Any]) -> str:
     ]
     memory = m.get("memory") if isinstance(m.get("memory"), dict) else {}
     rows += _memory_rows(memory)
-    note = "" if memory.get("per_device_gib") else "\n\nPer-device memory figures were not recorded for this run."
+    note = "" if memory.get("per_device_bytes") else "\n\nPer-device memory figures were not recorded for this run."
     return "## Memory\n\n" + _table(rows, ("quantity", "value")) + note
 
 
 def _memory_rows(memory: dict[str, Any]) -> list[tuple[str, Any]]:
     """Per-device memory as recorded in metrics.json by ``lowmem-tpu sft`` (lowmem_tpu.memory.record)."""
-    figures = memory.get("per_device_gib") or {}
-    gib = lambda key: f"{figures[key]:.2f} GiB" if figures.get(key) is not None else None  # noqa: E731
+    figures = memory.get("per_device_bytes") or {}
+
+    def gib(key: str) -> str | None:
+        value = figures.get(key)
+        if value is None:
+            return None
+        return f"{value / 2**30:.2f} GiB" if value >= 2**30 else f"{value / 2**20:.1f} MiB"
+
     rows: list[tuple[str, Any]] = []
     if "planned_peak" in figures:
         planned = f"{gib('planned_peak')} ({gib('planned_with_margin')} with margin) of {gib('device_memory')}"

@@ -24,11 +24,15 @@ def format_log(step: int, max_steps: int, logs: dict[str, float]) -> str:
     parts += [template.format(logs[key]) for key, template in fields if key in logs]
     planned = logs.get("memory_planned_gib")
     if "memory_peak_gib" in logs:
-        plan = f" (planned {planned:.2f})" if planned else ""
-        parts.append(f"HBM peak {logs['memory_peak_gib']:.2f} GiB/dev{plan}")
+        plan = f" (planned {_size(planned)})" if planned else ""
+        parts.append(f"HBM peak {_size(logs['memory_peak_gib'])}/dev{plan}")
     elif planned:
-        parts.append(f"memory planned {planned:.2f} GiB/dev")
+        parts.append(f"memory planned {_size(planned)}/dev")
     return " | ".join(parts)
+
+
+def _size(gib: float) -> str:
+    return f"{gib:.2f} GiB" if gib >= 1 else f"{gib * 1024:.1f} MiB"
 
 
 class ProgressCallback(TrainerCallback):

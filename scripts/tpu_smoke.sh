@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The first thing to run on a TPU VM (Kaggle's v5e-8, Colab's v5e-1, a Cloud TPU), and what to send back:
+#   bash scripts/tpu_smoke.sh [OUT_DIR]        (default: tpu-smoke-<date>)
+# 1. lowmem-tpu doctor: versions, libtpu, the chips, a few tiny bf16 steps (compile time, MFU, HBM per chip)
+# 2. the tiny recipe in bf16 on the TPU (sharded over every chip): metrics.json, metrics.jsonl
+# 3. lowmem-tpu compare on it: LoRA vs full, the TPU compiler's figure beside the runtime's HBM peak
+# 4. lowmem-tpu memory for the recipe of this TPU (plans only)
+# Every JSON and log lands in OUT_DIR, then one tar.gz of it. A step that fails does not stop the others.
+set -u
+out="${1:-tpu-smoke-$(date +%Y%m%d-%H%M%S)}"
+mkdir -p "$out"
+cli="${LOWMEM_TPU:-lowmem-tpu}"
+device="${LOWMEM_SMOKE_DEVICE:-tpu}"  # cpu rehearses the script itself on the CPU backend
+status=0
+
+step() {  # step NAME COMMAND...: run, tee its output to OUT/NAME.log, remember a failure
+  local name="$1"
+  shift
+  echo "== $name: $*"
+  if "$@" > >(tee "$out/$name.log") 2> >(tee "$out/$name.stderr.log" >&2); then
+    echo "== $name: ok"
+  else
+    echo "== $name: FAILED (exit $?)"
+    status=1
+  fi
+}
+
+step doctor "$cli" doctor --out "$out/doctor.json"
+step tiny-bf16 "$cli" sft recipes/tiny_lora_cpu.yaml runtime.device=$device runtime.target=null model.dtype=bfloat16 \
+  train.max_steps=60 train.logging_steps=10 "output_dir=$out/tiny" --overwrite
+cp "$out/tiny/final/metrics.json" "$out/tiny-metrics.json" 2>/dev/null
+cp "$out/tiny/metrics.jsonl" "$out/tiny-metrics.jsonl" 2>/dev/null
+step compare "$cli" compare recipes/tiny_lora_cpu.yaml runtime.device=$device runtime.target=null model.dtype=bfloat16 \
+  --steps 5 --out "$out/compare"
+for recipe in open_llama_lora open_llama_lora_v5e1 open_llama_7b_qlora; do
+  step "memory-$recipe" "$cli" memory "recipes/$recipe.yaml" --json
+done
+rm -rf "$out/tiny/final/"*.safetensors "$out/tiny/checkpoints"
+tar czf "$out.tar.gz" "$out"
+echo "wrote $out/ and $out.tar.gz: attach the tar.gz to your report"
+exit $status
