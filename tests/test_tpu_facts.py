@@ -80,8 +80,23 @@ def test_every_generation_has_a_kind_peak_flops_and_usable_memory():
 def test_libtpu_metrics_say_why_they_are_unavailable_here():
     with pytest.raises(tpu.MetricsUnavailable, match="localhost:8431"):
         tpu.hbm_usage(timeout=2)
-    monitor = tpu.HbmMonitor().start()
+    monitor = tpu.HbmMonitor(interval=0.05).start()
     assert monitor.per_device() == [] and "8431" in monitor.error
+    monitor.stop()
+    assert monitor.per_device() == [] and "8431" in monitor.error
+
+
+def test_a_run_on_another_tpu_than_its_target_warns():
+    from lowmem_tpu.xla.runtime import _check_target
+
+    with pytest.warns(UserWarning, match=r"runtime.target is v5e-8 .* but this TPU is 1 x TPU v5 lite"):
+        _check_target("v5e-8", "TPU v5 lite", 1)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _check_target("v5e-1", "TPU v5 lite", 1)
+        _check_target(None, "TPU v5 lite", 8)
 
 
 def test_the_compilers_refusal_is_read_into_figures():

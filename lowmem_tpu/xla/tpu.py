@@ -156,13 +156,16 @@ class HbmMonitor:
         except MetricsUnavailable as err:
             self.error = str(err)
             return []
+        self.error = None
         for usage in self.latest:
             self.peaks[usage.device] = max(self.peaks.get(usage.device, 0), usage.used)
         return self.latest
 
     def start(self) -> HbmMonitor:
-        if not self.sample():
-            return self  # nothing to watch: error says why
+        """Sample now and every ``interval`` seconds (libtpu's server may come up after the first try)."""
+        self.sample()
+        if self.error and "not installed" in self.error:
+            return self  # nothing will ever answer: error says why
 
         def loop() -> None:
             while not self._stop.wait(self.interval):
