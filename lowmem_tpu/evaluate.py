@@ -54,7 +54,8 @@ def greedy_exact_match(
 
 def _decode_batch(model, tokenizer, chunk, length, max_new_tokens, batch_size, device, sync) -> list[str]:
     pad = tokenizer.pad_token_id
-    rows = [ids[: length - max_new_tokens] for ids, _ in chunk]
+    # A prompt too long for the buffer loses its beginning, never its end (the generation prompt).
+    rows = [ids[-(length - max_new_tokens) :] for ids, _ in chunk]
     rows += [rows[0]] * (batch_size - len(rows))  # a full batch keeps the shape static
     buffer = torch.full((batch_size, length), pad, dtype=torch.long)
     for i, ids in enumerate(rows):

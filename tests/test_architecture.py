@@ -22,6 +22,7 @@ MAY_IMPORT = {
     "memory": {"config", "model", "xla", "train", "memory"},
     "publish": {"config", "model", "publish"},
     "doctor": {"config", "xla"},
+    "infer": {"config", "model", "data", "xla", "train", "publish", "evaluate", "infer"},
 }
 BASICS = {"errors", "files", "console"}
 

@@ -45,6 +45,8 @@ def _read_yaml(path: Path, where: str, named_in: Path | None = None) -> dict[str
         raise RecipeError([f"{where}: recipe file not found: {_show(path)}{by}"]) from None
     except IsADirectoryError:
         raise RecipeError([f"{where}: {_show(path)} is a directory, not a recipe file"]) from None
+    except OSError as err:  # a parent that is a file, no permission, ...
+        raise RecipeError([f"{where}: cannot read {_show(path)}: {err.strerror}"]) from None
     except yaml.YAMLError as err:
         raise RecipeError([f"{where}: not valid YAML in {_show(path)}: {err}"]) from None
     if data is None:

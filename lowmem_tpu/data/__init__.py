@@ -5,7 +5,7 @@ Imports ``config`` and ``errors`` only, never ``xla`` or ``model``: a tokenizer 
 ``datasets``, ``numpy`` and ``torch`` are imported inside the functions that use them.
 """
 
-from lowmem_tpu.data.formats import IGNORE_INDEX, alpaca_prompt
+from lowmem_tpu.data.formats import IGNORE_INDEX, alpaca_prompt, generation_prompt
 from lowmem_tpu.data.loading import DataError, load_records
 from lowmem_tpu.data.rows import COLUMNS, build_dataset, collate, exact_match_prompts
 from lowmem_tpu.data.splits import select_records
@@ -19,6 +19,7 @@ __all__ = [
     "build_dataset",
     "collate",
     "exact_match_prompts",
+    "generation_prompt",
     "load_records",
     "select_records",
     "set_chat_template",

@@ -262,3 +262,19 @@ def _prompt(record: dict[str, Any], cfg: DataSection, tokenizer: Any, where: str
     last = turns[-1]
     text = _render(tokenizer, messages[:last], True, where)
     return _tokenize(tokenizer, [text])[0], messages[last]["content"]
+
+
+# --------------------------------------------------------------------------- prompts for generation
+
+
+def generation_prompt(tokenizer: Any, fmt: str | None, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of the prompt a model trained on ``fmt`` data expects before its answer.
+
+    chat: the conversation through the tokenizer's chat template with the generation prompt, as
+    training rendered it; alpaca: the last message as the Alpaca instruction; otherwise (text data,
+    ``--raw``): the last message as it is, after BOS.
+    """
+    if fmt == "chat":
+        return _tokenize(tokenizer, [_render(tokenizer, messages, True, "the prompt")])[0]
+    text = messages[-1]["content"]
+    return _bos(tokenizer) + _tokenize(tokenizer, [alpaca_prompt(text) if fmt == "alpaca" else text])[0]

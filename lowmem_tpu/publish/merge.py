@@ -222,7 +222,8 @@ def _load_causal_lm(source: str, revision: str | None, dtype: str | None) -> Any
     return model.eval()
 
 
-def _tokenizer(adapter_dir: Path, choice: BaseChoice) -> Any:
+def adapter_tokenizer(adapter_dir: Path, choice: BaseChoice) -> Any:
+    """The tokenizer saved with the adapter (its chat template included), else the base's."""
     from lowmem_tpu.config import ModelSection
     from lowmem_tpu.model import load_tokenizer
 
@@ -269,7 +270,7 @@ def merge_adapter(
     partial = fresh_partial(out.parent / f".{out.name}", ".merge-partial")
     try:
         say(f"loading base {choice.source} ({dtype}) on the CPU")
-        tokenizer = _tokenizer(adapter_dir, choice)
+        tokenizer = adapter_tokenizer(adapter_dir, choice)
         rows = prompt_ids(tokenizer)
         reference = _merge_into(adapter_dir, choice, dtype, rows, partial, max_shard_size)
         gc.collect()  # model objects hold reference cycles: free the merged copy before loading the written one

@@ -1,0 +1,77 @@
+"""The shipped ``recipes`` (list, copy) and ``doctor``, the first command on a TPU VM."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from lowmem_tpu.cli.common import app, fail
+from lowmem_tpu.config import load_recipe
+from lowmem_tpu.errors import UserError
+
+recipes_app = typer.Typer(
+    help="The shipped recipes: list them (purpose, target TPU, planned memory), copy one to edit.",
+    invoke_without_command=True,
+    no_args_is_help=False,
+)
+app.add_typer(recipes_app, name="recipes")
+
+
+@recipes_app.callback()
+def recipes(ctx: typer.Context) -> None:
+    """List the shipped recipes with their purpose, target device and planned memory per device."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from lowmem_tpu.config.shipped import describe_shipped
+    from lowmem_tpu.memory.advise import gib, plan_recipe
+
+    for item in describe_shipped():
+        try:
+            device = item.target or "cpu"
+            loaded = load_recipe(item.path, [] if device == "cpu" else ["runtime.device=tpu"])
+            plan = plan_recipe(loaded, device).plan
+            memory = f"{gib(plan.needed)} of {gib(plan.capacity)} per device on {device}"
+        except UserError as err:
+            memory = f"not planned: {err}"
+        typer.echo(f"{item.name}\n    {item.purpose}\n    target {item.target or 'none'}; planned {memory}")
+    typer.echo("copy one to edit: lowmem-tpu recipes copy NAME DEST")
+
+
+@recipes_app.command("copy")
+def recipes_copy(
+    name: Annotated[str, typer.Argument(help="A shipped recipe's name, e.g. open_llama_lora.", show_default=False)],
+    dest: Annotated[Path, typer.Argument(help="A file, or a directory to write NAME.yaml in.", show_default=False)],
+    force: Annotated[bool, typer.Option("--force", help="Replace files that exist.")] = False,
+) -> None:
+    """Write a shipped recipe (and the recipes it extends, beside it) to DEST, ready to edit and validate."""
+    try:
+        from lowmem_tpu.config.shipped import copy_recipe
+
+        written = copy_recipe(name, dest, force)
+    except UserError as err:
+        fail(err)
+    typer.echo(f"wrote {', '.join(map(str, written))}; check it with: lowmem-tpu validate {written[0]}")
+
+
+@app.command()
+def doctor(
+    out: Annotated[Path, typer.Option("--out", help="Where the JSON report goes.")] = Path("lowmem-tpu-doctor.json"),
+    skip_train: Annotated[
+        bool, typer.Option("--skip-train", help="Check the installation and platform only; train nothing.")
+    ] = False,
+) -> None:
+    """Check this machine (versions, TPU, libtpu, RAM, compile cache), then train a few tiny bf16 steps.
+
+    Run it first on a TPU VM and paste its output (or the JSON) into a bug report. Exit 1 when a
+    check fails; the report is written either way.
+    """
+    from lowmem_tpu.doctor import run_doctor
+
+    report = run_doctor(out, train=not skip_train, echo=typer.echo)
+    failed = [c["name"] for c in report["checks"] if c["status"] == "fail"]
+    warned = [c["name"] for c in report["checks"] if c["status"] == "warn"]
+    verdict = f"{len(failed)} failed ({', '.join(failed)})" if failed else "all checks passed"
+    typer.echo(f"{verdict}{f'; {len(warned)} warning(s)' if warned else ''}; wrote {out}")
+    raise typer.Exit(1 if failed else 0)

@@ -1,0 +1,128 @@
+"""Commands around one recipe: ``validate``, ``show``, ``sft``, ``memory``, ``compare``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from lowmem_tpu.cli.common import OverridesArg, RecipeArg, app, fail, load_args
+from lowmem_tpu.errors import NonFiniteError, UserError
+
+
+@app.command()
+def validate(recipe: RecipeArg = None, overrides: OverridesArg = None) -> None:
+    """Check a recipe (schema, files, batch split, layer class) without loading any weights."""
+    try:
+        loaded = load_args(recipe, overrides)
+        from lowmem_tpu.config.schema import target_problem
+        from lowmem_tpu.model import check_model
+        from lowmem_tpu.xla.runtime import configure_environment
+
+        problem = target_problem(loaded)
+        if problem:
+            raise UserError(problem)
+        configure_environment(loaded.runtime)
+        summary = check_model(loaded)
+    except UserError as err:
+        fail(err)
+    target = f"; sized for {loaded.runtime.target}" if loaded.runtime.target else ""
+    typer.echo(f"ok: {recipe or 'embedded default'} is valid ({summary}{target})")
+
+
+@app.command()
+def show(recipe: RecipeArg = None, overrides: OverridesArg = None) -> None:
+    """Print the resolved recipe (extends merged, overrides applied, every default spelled out)."""
+    try:
+        typer.echo(load_args(recipe, overrides).to_yaml(), nl=False)
+    except UserError as err:
+        fail(err)
+
+
+@app.command()
+def sft(
+    recipe: RecipeArg = None,
+    overrides: OverridesArg = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing output_dir/final.")] = False,
+    force_resume: Annotated[
+        bool, typer.Option("--force-resume", help="Resume even if the recipe changed since the checkpoint.")
+    ] = False,
+) -> None:
+    """Supervised fine-tuning (LoRA or full) with FSDP over every XLA device."""
+    try:
+        loaded = load_args(recipe, overrides)
+        from lowmem_tpu.sft import run_sft
+
+        run = run_sft(loaded, overwrite=overwrite, force_resume=force_resume)
+    except NonFiniteError as err:
+        typer.echo(f"error: training diverged: {err}", err=True)
+        raise typer.Exit(1) from None
+    except UserError as err:
+        fail(err)
+    except KeyboardInterrupt:
+        typer.echo("interrupted", err=True)
+        raise typer.Exit(130) from None
+    if run.stopped == "SIGTERM":
+        raise typer.Exit(143)
+
+
+@app.command()
+def memory(
+    recipe: RecipeArg = None,
+    overrides: OverridesArg = None,
+    device: Annotated[
+        str | None,
+        typer.Option(
+            "--device",
+            help="v5e-1, v5e-4, v5e-8, v6e-1, v6e-4, v6e-8, v4-8, v5p-8, v3-8, v2-8 or cpu "
+            "(default: the recipe's runtime.target, else the TPU here, else cpu).",
+            show_default=False,
+        ),
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the plans as JSON (bytes).")] = False,
+) -> None:
+    """Plan per-device memory of the recipe and its twin (LoRA <-> full); say what to turn on if it does not fit."""
+    try:
+        from lowmem_tpu.memory.advise import default_device, format_report, plan_recipe, report_json
+
+        # Planning for a TPU: the batch must split over its devices (the planner checks), not the CPU's.
+        loaded = load_args(recipe, [*(overrides or []), "runtime.device=tpu"]) if device != "cpu" else None
+        device = device or default_device(loaded)
+        if device == "cpu":
+            loaded = load_args(recipe, overrides)
+        report = plan_recipe(loaded, device)
+    except UserError as err:
+        fail(err)
+    if as_json:
+        import json
+
+        typer.echo(json.dumps(report_json(report), indent=2))
+    else:
+        typer.echo(format_report(report))
+
+
+@app.command()
+def compare(
+    recipe: RecipeArg = None,
+    overrides: OverridesArg = None,
+    steps: Annotated[
+        int, typer.Option("--steps", min=3, help="Real steps per mode on a TPU (on the CPU one step is compiled).")
+    ] = 5,
+    out: Annotated[
+        Path | None,
+        typer.Option("--out", help="Where compare.json and compare.png go (default: output_dir/compare)."),
+    ] = None,
+) -> None:
+    """LoRA vs full fine-tuning per device: planned beside measured (TPU runtime peak, or the CPU compiler's)."""
+    try:
+        loaded = load_args(recipe, overrides)
+        from lowmem_tpu.memory.compare import compare_recipe, format_compare
+
+        result = compare_recipe(loaded, steps, out or Path(loaded.output_dir) / "compare")
+    except UserError as err:
+        fail(err)
+    typer.echo(format_compare(result))
+    where = out or Path(loaded.output_dir) / "compare"
+    chart = result["chart"] or "no chart (pip install -c constraints.txt matplotlib)"
+    typer.echo(f"wrote {where / 'compare.json'} and {chart}")

@@ -1,0 +1,156 @@
+"""Using what a run trained: ``generate``, ``chat`` and ``eval``."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from lowmem_tpu.cli.common import app, fail
+from lowmem_tpu.errors import UserError
+
+TrainedArg = Annotated[
+    Path, typer.Argument(help="An adapter (output_dir/final) or a merged/full model directory.", show_default=False)
+]
+MaxNewOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--max-new-tokens",
+        help="Most tokens to generate (default: 128, within the model's positions).",
+        show_default=False,
+    ),
+]
+TemperatureOpt = Annotated[float, typer.Option("--temperature", help="0: greedy; above 0: sampling.")]
+TopPOpt = Annotated[float, typer.Option("--top-p", help="Sample from the smallest set of tokens this likely.")]
+SeedOpt = Annotated[int, typer.Option("--seed", help="Seed of the sampler.")]
+RawOpt = Annotated[bool, typer.Option("--raw", help="The prompt as it is (no chat or Alpaca template).")]
+DeviceOpt = Annotated[str, typer.Option("--device", help="xla: the TPU or the CPU backend; cpu: plain PyTorch.")]
+BaseOpt = Annotated[
+    str | None, typer.Option("--base", help="An adapter's base, when not the one it records.", show_default=False)
+]
+
+
+def _session(directory: Path, **options: object):
+    from lowmem_tpu.infer.session import Options, Session
+
+    return Session(directory, Options(**options))  # type: ignore[arg-type]
+
+
+@app.command()
+def generate(
+    directory: TrainedArg,
+    prompt: Annotated[str, typer.Option("--prompt", help="What to complete.", show_default=False)],
+    max_new_tokens: MaxNewOpt = None,
+    temperature: TemperatureOpt = 0.0,
+    top_p: TopPOpt = 1.0,
+    seed: SeedOpt = 0,
+    raw: RawOpt = False,
+    device: DeviceOpt = "xla",
+    base: BaseOpt = None,
+    verbose: Annotated[bool, typer.Option("--verbose", help="Also print tokens/s and XLA graphs compiled.")] = False,
+) -> None:
+    """Complete one prompt with a trained model (formatted as its run trained it); prints only the completion."""
+    try:
+        session = _session(
+            directory,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            raw=raw,
+            device=device,
+            base=base,
+        )
+        text, result = session.complete(prompt)
+    except UserError as err:
+        fail(err)
+    typer.echo(text)
+    if verbose:
+        how = f"{session.prompt_format or 'raw'} prompt of {result.prompt_tokens} tokens"
+        typer.echo(
+            f"[{len(result.ids)} tokens ({result.stopped}) in {result.seconds:.2f} s, "
+            f"{result.tokens_per_second:.1f} tokens/s; {how}; {session.graphs} XLA graphs compiled]",
+            err=True,
+        )
+
+
+@app.command()
+def chat(
+    directory: TrainedArg,
+    max_new_tokens: MaxNewOpt = None,
+    temperature: TemperatureOpt = 0.0,
+    top_p: TopPOpt = 1.0,
+    seed: SeedOpt = 0,
+    raw: RawOpt = False,
+    device: DeviceOpt = "xla",
+    base: BaseOpt = None,
+) -> None:
+    """Talk to a trained model; the conversation is kept (a chat model sees it all). /reset, /exit."""
+    try:
+        session = _session(
+            directory,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            raw=raw,
+            device=device,
+            base=base,
+        )
+    except UserError as err:
+        fail(err)
+    fmt = session.prompt_format or "raw"
+    memory = "the whole conversation" if fmt == "chat" else "each message on its own"
+    typer.echo(f"{directory} ({fmt} prompts: the model sees {memory}). /reset starts over, /exit leaves.", err=True)
+    for line in sys.stdin:
+        message = line.strip()
+        if message in ("/exit", "/quit"):
+            break
+        if message == "/reset":
+            session.reset()
+            typer.echo("(conversation cleared)", err=True)
+            continue
+        if not message:
+            continue
+        try:
+            text, _ = session.reply(message)
+        except UserError as err:
+            typer.echo(f"error: {err} (/reset to start over)", err=True)
+            continue
+        typer.echo(text)
+
+
+@app.command(name="eval")
+def eval_command(
+    directory: TrainedArg,
+    data: Annotated[str, typer.Option("--data", help="A local .jsonl/.json/.csv/.parquet file or a Hub dataset id.")],
+    fmt: Annotated[
+        str | None,
+        typer.Option("--format", help="chat, alpaca or text (default: the run's data.format).", show_default=False),
+    ] = None,
+    split: Annotated[str | None, typer.Option("--split", help="Split of a Hub dataset.", show_default=False)] = None,
+    samples: Annotated[
+        int | None,
+        typer.Option(
+            "--samples",
+            help="Prompts for greedy exact match (default: the run's train.eval_samples).",
+            show_default=False,
+        ),
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of the summary.")] = False,
+) -> None:
+    """Held-out loss, perplexity, token accuracy and greedy exact match: the numbers sft prints, for any data."""
+    try:
+        from lowmem_tpu.infer.score import evaluate_directory, format_scores
+
+        result = evaluate_directory(directory, data, fmt=fmt, split=split, samples=samples)
+    except UserError as err:
+        fail(err)
+    if as_json:
+        import json
+
+        typer.echo(json.dumps(result))
+    else:
+        typer.echo(format_scores(directory, result))

@@ -1,0 +1,111 @@
+"""``lowmem-tpu eval``: score a trained model on a data set, by the very code ``sft`` scores with.
+
+Held-out loss and token accuracy come from the run's own trainer (``XlaSFTTrainer.evaluate`` on
+rows tokenized by ``data.build_dataset``), greedy exact match from ``evaluate.greedy_exact_match``
+on the prompts ``data.exact_match_prompts`` builds: the numbers ``sft`` prints before and after
+training, for any adapter or model directory and any data in its run's format.
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from lowmem_tpu.errors import UserError
+
+DEFAULT_SAMPLES = 100
+
+
+def _recipe(trained: Any, data: str, fmt: str | None, split: str | None, out: str) -> Any:
+    """The run's recipe, pointed at ``data`` as its held-out set (nothing is trained)."""
+    import yaml
+
+    from lowmem_tpu.config import apply_overrides, validate_recipe
+
+    if not trained.recipe:
+        raise UserError(f"{trained.directory}: no recipe.yaml beside the weights; eval needs the run's data settings")
+    overrides = [f"data.path={data}", "data.eval_path=null", "data.eval_fraction=0", f"output_dir={out}"]
+    overrides += ["train.eval_samples=0", "train.eval_steps=null", "hub.push=false", "data.max_samples=null"]
+    overrides += [f"data.format={fmt}"] if fmt else []
+    overrides += [f"data.split={split}"] if split else []
+    text = yaml.safe_dump(trained.recipe)
+    return validate_recipe(apply_overrides(yaml.safe_load(text), overrides))
+
+
+def evaluate_directory(
+    directory: Path, data: str, *, fmt: str | None = None, split: str | None = None, samples: int | None = None
+) -> dict[str, Any]:
+    """Loss, perplexity, token accuracy and greedy exact match of the model in ``directory`` on ``data``."""
+    from lowmem_tpu import data as d
+    from lowmem_tpu.console import say
+    from lowmem_tpu.infer.load import kind_of, load_trained
+    from lowmem_tpu.publish.merge import read_recipe_data
+    from lowmem_tpu.xla import runtime as rt
+
+    kind_of(Path(directory))
+    saved = read_recipe_data(Path(directory))
+    runtime_cfg = saved.get("runtime", {})
+    from lowmem_tpu.config import RuntimeSection
+
+    runtime = rt.setup_runtime(RuntimeSection(device="auto", num_cpu_devices=runtime_cfg.get("num_cpu_devices", 4)))
+    trained = load_trained(Path(directory))
+    n = samples if samples is not None else (saved.get("train", {}).get("eval_samples") or DEFAULT_SAMPLES)
+    with tempfile.TemporaryDirectory(prefix="lowmem-eval-") as out:
+        recipe = _recipe(trained, data, fmt, split, out)
+        from lowmem_tpu.config import micro_batch_size
+
+        micro = micro_batch_size(recipe, runtime.num_devices)
+        rows, stats = d.build_dataset(recipe.data, trained.tokenizer, role="eval", path=data)
+        with_answers = recipe.data.format != "text" and n > 0
+        prompts = d.exact_match_prompts(recipe.data, trained.tokenizer, data, n) if with_answers else []
+        say(f"{data}: {stats['samples']:,} samples -> {stats['rows']:,} rows; {len(prompts)} exact-match prompts")
+        return _score(recipe, runtime, trained, rows, prompts, micro) | {"data": data, "rows": stats["rows"]}
+
+
+def _score(recipe: Any, runtime: Any, trained: Any, rows: Any, prompts: list, micro: int) -> dict[str, Any]:
+    from lowmem_tpu.evaluate import greedy_exact_match
+    from lowmem_tpu.train.trainer import build_trainer
+    from lowmem_tpu.xla.runtime import sync
+    from lowmem_tpu.xla.sharding import place_parameters
+
+    model, tokenizer = trained.model, trained.tokenizer
+    place_parameters(model, runtime, recipe.sharding.strategy)
+    trainer = build_trainer(recipe, runtime, model, rows, tokenizer, micro, [], eval_dataset=rows)
+    scores = trainer.evaluate()
+    loss = scores.get("eval_loss")
+    result: dict[str, Any] = {
+        "loss": loss,
+        "perplexity": math.exp(loss) if loss is not None and loss < 50 else None,
+        "token_accuracy": scores.get("eval_token_accuracy"),
+    }
+    if prompts:
+        em = greedy_exact_match(
+            trainer.fsdp_model,
+            tokenizer,
+            prompts,
+            length=recipe.data.max_length,
+            max_new_tokens=recipe.train.max_new_tokens,
+            batch_size=micro,
+            device=runtime.device,
+            sync=sync,
+        )
+        result |= {"exact_match": em.accuracy, "exact_match_total": em.total, "examples": em.examples}
+    return result
+
+
+def format_scores(directory: Path, result: dict[str, Any]) -> str:
+    """The human summary of :func:`evaluate_directory`."""
+    lines = [f"{directory} on {result['data']} ({result['rows']:,} rows)"]
+    for key, label in (("loss", "loss"), ("perplexity", "perplexity"), ("token_accuracy", "token accuracy")):
+        if result.get(key) is not None:
+            lines.append(f"  {label:<16}{result[key]:.4f}")
+    if "exact_match" in result:
+        lines.append(
+            f"  {'exact match':<16}{result['exact_match']:.4f} ({result['exact_match_total']} prompts, greedy)"
+        )
+        for prompt, expected, got in result["examples"]:
+            mark = "ok" if got.strip() == expected.strip() else "XX"
+            lines.append(f"    [{mark}] {prompt.strip()[-60:]!r} -> {got!r} (expected {expected!r})")
+    return "\n".join(lines)
