@@ -154,9 +154,11 @@ def test_suggestions_turn_techniques_on_in_order_until_it_fits():
     start = memory.plan_setting(llama, worst, "tpu", GiB)
     steps = memory_report.next_steps(llama, replace(start, capacity=start.needed // 3))
     names = [s.override for s in steps]
-    assert names[:3] == ["sharding.strategy=fsdp", "sharding.activation_checkpointing=true", "train.fused_lm_head=true"]
-    # Accumulation is never suggested: the trainer's micro-batches overlap in one XLA program.
-    assert not any(n.startswith("train.gradient_accumulation_steps") for n in names)
+    # Cheapest first: sharding, then a smaller micro-batch with accumulation, before recomputation
+    assert names[:2] == ["sharding.strategy=fsdp", "train.gradient_accumulation_steps=2"], names
+    order = ["train.gradient_accumulation_steps", "train.fused_lm_head", "model.attn_implementation", "sharding.act"]
+    firsts = [i for o in order for i, n in enumerate(names) if n.startswith(o)]
+    assert firsts == sorted(firsts) and len(firsts) >= 3, names
     peaks = [start.peak] + [s.plan.peak for s in steps]
     assert all(b < a for a, b in itertools.pairwise(peaks))
     assert steps[-1].plan.fits
@@ -166,7 +168,8 @@ def test_suggestions_stop_when_nothing_is_left():
     steps = memory_report.next_steps(SHAPE, plan(capacity=1))
     assert steps and not steps[-1].plan.fits
     known = {"train.optimizer=adafactor", "lora.enabled=true", "train.fused_lm_head=true"}
-    assert {s.override for s in steps} <= known | {"data.max_length=16"}
+    known |= {"train.gradient_accumulation_steps=2", "model.attn_implementation=chunked", "data.max_length=16"}
+    assert {s.override for s in steps} <= known
     text = "\n".join(memory_report.format_plan("the recipe", plan(capacity=1), steps))
     assert "nothing left to turn on" in text
 
@@ -188,6 +191,21 @@ def test_plan_recipe_has_a_twin_and_the_shipped_configs():
     assert 6.7e9 < seven.plan.total_parameters < 6.8e9
     text = memory_report.format_report(report)
     assert "its twin (lora.enabled=false)" in text and "margin for XLA workspace" in text
+
+
+def test_accumulation_and_chunked_attention_lower_the_planned_activations():
+    one = replace(BASE, global_batch=16)
+    four = replace(one, accumulation=4)
+    assert four.sequences * 4 == one.sequences and four.live_sequences == four.sequences
+    assert memory.activations(SHAPE, four, "tpu") < memory.activations(SHAPE, one, "tpu") / 3
+    # On the CPU compiler a micro-batch program ending at its gradients loses checkpointing (measured)
+    assert memory.activations(SHAPE, four, "cpu") == memory.activations(
+        SHAPE, replace(four, checkpointing=False), "cpu"
+    )
+    long = replace(BASE, length=1024)
+    eager, chunked = (memory.attention_scores(SHAPE, replace(long, attention=a)) for a in ("eager", "chunked"))
+    assert eager == long.live_sequences * SHAPE.heads * 1024 * 1024 * 4
+    assert chunked < eager / 3  # one block of 128 keys at a time (scores and probabilities) + an fp32 output
 
 
 def test_a_tpu_plan_carries_no_cpu_compiler_effect():
@@ -258,7 +276,8 @@ def test_memory_json_and_the_suggestion_chain():
     assert data["device"]["name"] == "v2-8" and data["recipe"]["mode"] == "full" and data["twin"]["mode"] == "lora"
     assert not data["recipe"]["fits"]
     steps = data["recipe"]["next_steps"]
-    assert steps[0]["override"] == "sharding.activation_checkpointing=true"
+    assert steps[0]["override"] == "train.gradient_accumulation_steps=2"  # the cheapest lever first
+    assert "sharding.activation_checkpointing=true" in [step["override"] for step in steps]
     assert steps[-1]["plan"]["fits"]
     assert data["recipe"]["bytes"]["weights"] == 856_618_400  # 3.43 B bf16 parameters / 8 devices
 
@@ -399,6 +418,7 @@ def test_quantized_lm_head_is_counted_and_dequantized_whole():
 
 def test_quantization_is_suggested_to_lora_only_and_shown_in_the_report():
     seven = ["model.name_or_path=openlm-research/open_llama_7b_v2", "train.global_batch_size=1"]
+    seven += ["model.attn_implementation=chunked", "data.max_length=2048"]  # no cheaper lever left
     recipe = load_recipe(ROOT / "recipes/open_llama_lora.yaml", [*seven, "runtime.num_cpu_devices=1"])
     report = memory_report.plan_recipe(recipe, "v5e-1")
     assert not report.plan.fits

@@ -143,9 +143,14 @@ def eval_command(
 ) -> None:
     """Held-out loss, perplexity, token accuracy and greedy exact match: the numbers sft prints, for any data."""
     try:
+        import contextlib
+
         from lowmem_tpu.infer.score import evaluate_directory, format_scores
 
-        result = evaluate_directory(directory, data, fmt=fmt, split=split, samples=samples)
+        # With --json, stdout carries the one JSON object: progress goes to stderr.
+        quiet = contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext()
+        with quiet:
+            result = evaluate_directory(directory, data, fmt=fmt, split=split, samples=samples)
     except UserError as err:
         fail(err)
     if as_json:

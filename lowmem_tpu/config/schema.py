@@ -56,8 +56,11 @@ class ModelSection(Section):
         description="Pad token to use when the tokenizer has none (default: unk, else eos; "
         "padding is masked by position, so eos is still learned).",
     )
-    attn_implementation: Literal["eager", "sdpa"] = Field(
-        "eager", description="Attention kernel; eager is the XLA-friendly default."
+    attn_implementation: Literal["eager", "sdpa", "chunked", "flash"] = Field(
+        "eager",
+        description="Attention kernel. eager/sdpa keep [batch, heads, length, length] fp32 scores per live layer; "
+        "chunked walks keys in blocks of 128 with an online softmax (no [length, length] tensor, any backend); "
+        "flash is torch_xla's Pallas kernel (TPU only).",
     )
     quantize: Literal["none", "int8", "int4"] = Field(
         "none",
@@ -342,6 +345,12 @@ def cross_problems(recipe: Recipe) -> list[tuple[tuple[str, ...], str]]:
             "set sharding.scan_layers: false or model.quantize: none"
         )
         problems.append((("model.quantize", "sharding.scan_layers"), message))
+    if model.attn_implementation == "flash" and not on_tpu(recipe.runtime.device):
+        message = (
+            "model.attn_implementation: flash is torch_xla's Pallas TPU kernel, which the CPU backend cannot run "
+            '("Only interpret mode is supported on CPU backend"); use chunked (the same memory saving, any backend)'
+        )
+        problems.append((("model.attn_implementation", "runtime.device"), message))
     if recipe.hub.push and not recipe.hub.repo_id:
         problems.append((("hub.push", "hub.repo_id"), "hub.repo_id: required when hub.push is true (OWNER/NAME)"))
     held_out = data.eval_path or data.eval_fraction

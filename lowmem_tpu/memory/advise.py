@@ -49,6 +49,13 @@ def _accumulation(st: Setting) -> tuple[Setting, str, str] | None:
     return replace(st, accumulation=steps), text, f"train.gradient_accumulation_steps={steps}"
 
 
+def _chunked_attention(st: Setting) -> tuple[Setting, str, str] | None:
+    if st.attention in ("chunked", "flash"):
+        return None
+    text = "chunked attention (keys in blocks of 128: no [length, length] scores)"
+    return replace(st, attention="chunked"), text, "model.attn_implementation=chunked"
+
+
 def _fused_head(st: Setting) -> tuple[Setting, str, str] | None:
     if st.fused_head:
         return None
@@ -84,13 +91,25 @@ def _shorter(st: Setting) -> tuple[Setting, str, str] | None:
     return replace(st, length=length), f"shorter sequences ({length} tokens)", f"data.max_length={length}"
 
 
-TECHNIQUES = (_more_sharding, _checkpointing, _accumulation, _fused_head, _adafactor, _lora, _quantize, _shorter)
+# Cheapest first: sharding and accumulation cost (almost) no speed, the chunked head and attention
+# some, checkpointing recomputes every layer's forward pass; then what changes the training itself.
+TECHNIQUES = (
+    _more_sharding,
+    _accumulation,
+    _fused_head,
+    _chunked_attention,
+    _checkpointing,
+    _adafactor,
+    _lora,
+    _quantize,
+    _shorter,
+)
 
 
 def next_steps(s: Shape, plan: Plan) -> list[Step]:
     """Techniques to turn on, one at a time in this order, until the plan fits or none is left.
 
-    A technique that would not lower the peak (e.g. accumulation, see MICRO_BATCHES_OVERLAP) is skipped.
+    A technique that would not lower the peak is skipped.
     Quantizing the base is suggested only once LoRA is on: full fine-tuning trains the base itself.
     """
     steps: list[Step] = []

@@ -91,6 +91,7 @@ class Setting:
     group_size: int = 64  # int4: inputs sharing one scale
     quantize_lm_head: bool = False
     master_weights: bool = False  # fp32 copies of the low-precision trainable weights (train.master_weights)
+    attention: str = "eager"  # model.attn_implementation: eager/sdpa keep [length, length] scores, chunked/flash not
 
     @property
     def bits(self) -> int:
@@ -104,20 +105,14 @@ class Setting:
 
     @property
     def live_sequences(self) -> int:
-        """Sequences whose activations can be live at once on a device (see MICRO_BATCHES_OVERLAP)."""
-        return self.sequences * (self.accumulation if MICRO_BATCHES_OVERLAP else 1)
+        """Sequences whose activations can be live at once on a device: one micro-batch's (the trainer
+        cuts the graph after each micro-batch's backward pass)."""
+        return self.sequences
 
     @property
     def tokens(self) -> int:
         """Tokens per device whose activations can be live at once."""
         return self.live_sequences * self.length
-
-
-# The trainer traces every micro-batch of an optimizer step into one XLA program, and the
-# compiler runs their forward passes before their backward passes: measured, accumulating 2
-# micro-batches of 8 sequences needs what one of 16 does. Accumulation saves activation memory
-# only once the trainer cuts the graph after each micro-batch's backward pass.
-MICRO_BATCHES_OVERLAP = True
 
 
 def setting_of(recipe: Recipe, devices: int) -> Setting:
@@ -142,6 +137,7 @@ def setting_of(recipe: Recipe, devices: int) -> Setting:
         group_size=getattr(recipe.model, "quantize_group_size", 64),
         quantize_lm_head=getattr(recipe.model, "quantize_lm_head", False),
         master_weights=uses_master_weights(recipe),
+        attention=getattr(recipe.model, "attn_implementation", "eager"),
     )
     problem = batch_split_problem(t.global_batch_size, t.gradient_accumulation_steps, devices)
     if problem:

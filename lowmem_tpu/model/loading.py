@@ -75,12 +75,21 @@ def torch_dtype(name: str) -> Any:
     return {"bfloat16": torch.bfloat16, "float32": torch.float32}[name]
 
 
+def register_attention(name: str) -> None:
+    """``chunked`` and ``flash`` are ours: transformers must know them before a model names them."""
+    from lowmem_tpu.model.attention import register
+
+    register(name)
+
+
 def meta_model(config: Any, cfg: ModelSection | None = None) -> Any:
     """The model's module tree with no memory behind it; with ``cfg``, in its dtype and quantized layout."""
     import torch
     from transformers import AutoModelForCausalLM
 
     kwargs = {} if cfg is None else {"dtype": torch_dtype(cfg.dtype), "attn_implementation": cfg.attn_implementation}
+    if cfg is not None:
+        register_attention(cfg.attn_implementation)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, **kwargs)
     if cfg is not None and cfg.quantize != "none":
@@ -107,6 +116,7 @@ def build_base_model(cfg: ModelSection, seed: int = 0, weights: Weights | None =
         from transformers import AutoModelForCausalLM
 
         torch.manual_seed(seed)
+        register_attention(cfg.attn_implementation)
         model = AutoModelForCausalLM.from_config(
             load_config(cfg), dtype=torch_dtype(cfg.dtype), attn_implementation=cfg.attn_implementation
         )

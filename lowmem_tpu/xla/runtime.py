@@ -90,6 +90,9 @@ def setup_runtime(cfg: RuntimeSection) -> Runtime:
     kind = device_kind(platform)
     if platform == "TPU":
         _check_target(cfg.target, kind, num_devices)
+        from lowmem_tpu.xla.attention import install
+
+        install()  # the Pallas kernel behind model.attn_implementation: flash
     return Runtime(platform, num_devices, device, mesh, cache_dir, kind, memory_monitor(platform))
 
 

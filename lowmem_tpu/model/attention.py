@@ -1,0 +1,131 @@
+"""``model.attn_implementation: chunked``: attention over blocks of keys with an online softmax.
+
+Eager and sdpa attention materialize the [batch, heads, length, length] scores in fp32 and keep
+them for the backward pass. Here the forward pass walks the keys in blocks of ``BLOCK``, keeping a
+running maximum and sum per query (FlashAttention's online softmax), and saves only the output and
+each row's log-sum-exp; the backward pass recomputes each block's probabilities from them. No
+[length, length] tensor exists, only [length, BLOCK] ones, one block at a time. Plain PyTorch: XLA
+compiles it on every backend (the CPU-tested path; ``flash`` is the TPU kernel).
+
+Causal masking and padding come from positions and the 2-D padding mask (transformers hands this
+implementation the [batch, length] mask as it does flash attention), so no mask of [length, length]
+is built either. Any head size works (Open Llama's is 100).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+BLOCK = 128
+NAME = "chunked"
+
+
+def _allowed(q_len: int, start: int, stop: int, k_len: int, padding: torch.Tensor | None, device: Any) -> torch.Tensor:
+    """[batch or 1, 1, q, block] bool: a key is visible when it is not in the future and not padding."""
+    q_pos = torch.arange(q_len, device=device) + (k_len - q_len)
+    k_pos = torch.arange(start, stop, device=device)
+    allowed = (k_pos[None, :] <= q_pos[:, None])[None, None]
+    if padding is not None:
+        allowed = allowed & padding[:, None, None, start:stop].bool()
+    return allowed
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor, scale: float) -> torch.Tensor:
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    return s.masked_fill(~allowed, float("-inf"))
+
+
+class ChunkedAttention(torch.autograd.Function):
+    """softmax(q k^T * scale, causal, padded) v, block by block; saves out and log-sum-exp only."""
+
+    @staticmethod
+    def forward(ctx: Any, q, k, v, padding, scale: float, block: int):  # type: ignore[override]
+        q_len, k_len = q.shape[2], k.shape[2]
+        row_max = torch.full((*q.shape[:3], 1), float("-inf"), device=q.device)
+        row_sum = torch.zeros((*q.shape[:3], 1), device=q.device)
+        acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        for start in range(0, k_len, block):
+            stop = min(start + block, k_len)
+            s = _scores(q, k[:, :, start:stop], _allowed(q_len, start, stop, k_len, padding, q.device), scale)
+            new_max = torch.maximum(row_max, s.amax(-1, keepdim=True))
+            safe = torch.where(torch.isinf(new_max), torch.zeros_like(new_max), new_max)
+            p = torch.exp(s - safe)
+            correction = torch.exp(row_max - safe)
+            row_sum = row_sum * correction + p.sum(-1, keepdim=True)
+            acc = acc * correction + torch.matmul(p, v[:, :, start:stop].float())
+            row_max = new_max
+        out = acc / row_sum.clamp(min=1e-30)  # a row that sees nothing (left padding) gives 0, not NaN
+        lse = torch.where(row_sum > 0, torch.log(row_sum.clamp(min=1e-30)) + row_max, torch.zeros_like(row_sum))
+        ctx.save_for_backward(q, k, v, padding if padding is not None else torch.empty(0), out, lse)
+        ctx.scale, ctx.block, ctx.has_padding = scale, block, padding is not None
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor):  # type: ignore[override]
+        q, k, v, padding, out, lse = ctx.saved_tensors
+        padding = padding if ctx.has_padding else None
+        scale, block = ctx.scale, ctx.block
+        q_len, k_len = q.shape[2], k.shape[2]
+        d_out = grad_out.float()
+        delta = (d_out * out).sum(-1, keepdim=True)
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dks, dvs = [], []
+        for start in range(0, k_len, block):
+            stop = min(start + block, k_len)
+            k_blk, v_blk = k[:, :, start:stop].float(), v[:, :, start:stop].float()
+            s = _scores(q, k_blk, _allowed(q_len, start, stop, k_len, padding, q.device), scale)
+            p = torch.exp(s - lse)
+            dvs.append(torch.matmul(p.transpose(-1, -2), d_out))
+            ds = p * (torch.matmul(d_out, v_blk.transpose(-1, -2)) - delta)
+            dq = dq + torch.matmul(ds, k_blk) * scale
+            dks.append(torch.matmul(ds.transpose(-1, -2), q.float()) * scale)
+        dk, dv = torch.cat(dks, dim=2), torch.cat(dvs, dim=2)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+
+
+def chunked_attention_forward(
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature: [batch, heads, length, head] in, [batch, length, heads, head] out."""
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:  # grouped-query attention: each key/value head serves ``groups`` query heads
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    padding = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
+    out = ChunkedAttention.apply(query, key, value, padding, scale, BLOCK)
+    return out.transpose(1, 2).contiguous(), None
+
+
+_flash_kernel: Any = None
+
+
+def provide_flash(kernel: Any) -> None:
+    """The runtime (``xla.attention``, on a TPU) hands over the kernel behind ``flash``."""
+    global _flash_kernel
+    _flash_kernel = kernel
+
+
+def _flash(*args: Any, **kwargs: Any) -> Any:
+    if _flash_kernel is None:
+        raise RuntimeError("model.attn_implementation flash runs on a TPU only; use chunked elsewhere")
+    return _flash_kernel(*args, **kwargs)
+
+
+def register(name: str) -> None:
+    """Make ``chunked`` or ``flash`` known to transformers before a model is built with it (idempotent)."""
+    if name not in (NAME, "flash"):
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+
+    AttentionInterface.register(name, chunked_attention_forward if name == NAME else _flash)
+    AttentionMaskInterface.register(name, flash_attention_mask)

@@ -1,0 +1,61 @@
+"""``model.attn_implementation: flash``: torch_xla's Pallas FlashAttention kernel, TPU only.
+
+Written against torch_xla 2.9's ``experimental/custom_kernel.py``: ``flash_attention(q, k, v,
+causal, q_segment_ids, kv_segment_ids, sm_scale, partition_spec=, mesh=)`` on [batch, heads,
+length, head] tensors, with the SPMD partition spec splitting the batch over the ``fsdp`` axis.
+Its segment ids are not supported under SPMD (the kernel's own TODO), so padding is not passed:
+rows are right-padded and the mask is causal, so no real token ever sees a padding key (padding
+queries produce values the loss masks out). Left padding (generation) is not supported: generation
+uses sdpa. A head size that is not a multiple of 128 lanes (Open Llama's is 100) is zero-padded to
+the next multiple and sliced back (q.k and the output are unchanged), at that compute cost.
+On the CPU backend the kernel cannot run ("Only interpret mode is supported on CPU backend"):
+the recipe refuses ``flash`` there and names ``chunked``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+LANES = 128
+
+
+def flash_attention_forward(
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    import torch_xla.distributed.spmd as xs
+    from torch_xla.experimental.custom_kernel import flash_attention
+
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    head = query.shape[-1]
+    scale = scaling if scaling is not None else head**-0.5
+    pad = -head % LANES
+    if pad:
+        query, key, value = (torch.nn.functional.pad(t, (0, pad)) for t in (query, key, value))
+    out = flash_attention(
+        query,
+        key,
+        value,
+        causal=True,
+        sm_scale=scale,
+        partition_spec=("fsdp", None, None, None),
+        mesh=xs.get_global_mesh(),
+    )
+    return out[..., :head].transpose(1, 2).contiguous(), None
+
+
+def install() -> None:
+    """Give ``model.attention`` the TPU kernel behind the name ``flash``."""
+    from lowmem_tpu.model.attention import provide_flash
+
+    provide_flash(flash_attention_forward)
