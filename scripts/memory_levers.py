@@ -29,6 +29,11 @@ POINTS = {  # name -> overrides
     "checkpointing off": ["sharding.activation_checkpointing=false"],
     "accumulation 2": ["train.gradient_accumulation_steps=2"],
     "accumulation 4": ["train.gradient_accumulation_steps=4"],
+    "chunked attention": ["model.attn_implementation=chunked"],
+    "chunked attention, checkpointing off": [
+        "model.attn_implementation=chunked",
+        "sharding.activation_checkpointing=false",
+    ],
     "accumulation 4, checkpointing off": [
         "train.gradient_accumulation_steps=4",
         "sharding.activation_checkpointing=false",
@@ -39,7 +44,7 @@ POINTS = {  # name -> overrides
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--devices", type=int, default=4)
-    parser.add_argument("--length", type=int, default=128)
+    parser.add_argument("--length", type=int, default=512)
     parser.add_argument("--only", nargs="*", help="point names to run (default: all)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()

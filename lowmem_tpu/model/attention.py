@@ -75,7 +75,10 @@ class ChunkedAttention(torch.autograd.Function):
         for start in range(0, k_len, block):
             stop = min(start + block, k_len)
             k_blk, v_blk = k[:, :, start:stop].float(), v[:, :, start:stop].float()
-            s = _scores(q, k_blk, _allowed(q_len, start, stop, k_len, padding, q.device), scale)
+            # (q * scale) k^T, not (q k^T) * scale as in the forward pass: a different expression, so
+            # XLA cannot merge it with the forward's scores and keep those alive until here.
+            allowed = _allowed(q_len, start, stop, k_len, padding, q.device)
+            s = torch.matmul(q.float() * scale, k_blk.transpose(-1, -2)).masked_fill(~allowed, float("-inf"))
             p = torch.exp(s - lse)
             dvs.append(torch.matmul(p.transpose(-1, -2), d_out))
             ds = p * (torch.matmul(d_out, v_blk.transpose(-1, -2)) - delta)
