@@ -90,3 +90,18 @@ def test_flash_is_refused_off_a_tpu_with_the_alternative():
 
     with pytest.raises(RecipeError, match=r"flash is torch_xla's Pallas TPU kernel.*use chunked"):
         load_recipe("recipes/tiny_lora_cpu.yaml", ["model.attn_implementation=flash"])
+
+
+@pytest.mark.tpu
+@pytest.mark.skipif(__import__("os").environ.get("PJRT_DEVICE", "CPU").upper() != "TPU", reason="needs a TPU")
+def test_flash_attention_on_a_tpu_equals_eager(batch):  # pragma: no cover - TPU only
+    """The Pallas kernel under SPMD, head size 10 padded to 128 lanes; right padding is exact for real tokens."""
+    from lowmem_tpu.config import RuntimeSection
+    from lowmem_tpu.xla.runtime import setup_runtime
+
+    runtime = setup_runtime(RuntimeSection(device="tpu"))
+    ids, mask = batch
+    el, eloss, eg = _run(_tiny("eager", layers=1), ids, mask, "cpu")
+    fl, floss, fg = _run(_tiny("flash", layers=1), ids, mask, runtime.device)
+    assert (el - fl)[mask.bool()].abs().max() < 2e-2 and abs(eloss - floss) < 1e-2  # the kernel computes in bf16
+    assert all((eg[n] - fg[n]).abs().max() <= 5e-2 * eg[n].abs().max() + 1e-5 for n in eg)

@@ -88,6 +88,16 @@ class ChunkedAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
+def heads_for_every_query(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None
+) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """Keys and values repeated for grouped-query attention (each serves ``groups`` query heads), and the scale."""
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    return key, value, scaling if scaling is not None else query.shape[-1] ** -0.5
+
+
 def chunked_attention_forward(
     module: Any,
     query: torch.Tensor,
@@ -99,10 +109,7 @@ def chunked_attention_forward(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: [batch, heads, length, head] in, [batch, length, heads, head] out."""
-    groups = query.shape[1] // key.shape[1]
-    if groups > 1:  # grouped-query attention: each key/value head serves ``groups`` query heads
-        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    key, value, scale = heads_for_every_query(query, key, value, scaling)
     padding = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
     out = ChunkedAttention.apply(query, key, value, padding, scale, BLOCK)
     return out.transpose(1, 2).contiguous(), None

@@ -34,11 +34,10 @@ def flash_attention_forward(
     import torch_xla.distributed.spmd as xs
     from torch_xla.experimental.custom_kernel import flash_attention
 
-    groups = query.shape[1] // key.shape[1]
-    if groups > 1:
-        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    from lowmem_tpu.model.attention import heads_for_every_query
+
+    key, value, scale = heads_for_every_query(query, key, value, scaling)
     head = query.shape[-1]
-    scale = scaling if scaling is not None else head**-0.5
     pad = -head % LANES
     if pad:
         query, key, value = (torch.nn.functional.pad(t, (0, pad)) for t in (query, key, value))
