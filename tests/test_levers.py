@@ -26,7 +26,7 @@ def _tiny(impl: str, seed: int = 0, layers: int = 2):
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=64,
+        max_position_embeddings=128,
         attn_implementation=impl,
     )  # head size 10 (not a multiple of anything), grouped-query attention
     torch.manual_seed(seed)
@@ -94,13 +94,16 @@ def test_flash_is_refused_off_a_tpu_with_the_alternative():
 
 @pytest.mark.tpu
 @pytest.mark.skipif(__import__("os").environ.get("PJRT_DEVICE", "CPU").upper() != "TPU", reason="needs a TPU")
-def test_flash_attention_on_a_tpu_equals_eager(batch):  # pragma: no cover - TPU only
+def test_flash_attention_on_a_tpu_equals_eager():  # pragma: no cover - TPU only
     """The Pallas kernel under SPMD, head size 10 padded to 128 lanes; right padding is exact for real tokens."""
     from lowmem_tpu.config import RuntimeSection
     from lowmem_tpu.xla.runtime import setup_runtime
 
     runtime = setup_runtime(RuntimeSection(device="tpu"))
-    ids, mask = batch
+    n = runtime.num_devices  # the batch is split over the fsdp axis
+    torch.manual_seed(1)
+    ids, mask = torch.randint(0, 50, (n, 64)), torch.ones(n, 64, dtype=torch.long)
+    mask[0, 40:] = 0
     el, eloss, eg = _run(_tiny("eager", layers=1), ids, mask, "cpu")
     fl, floss, fg = _run(_tiny("flash", layers=1), ids, mask, runtime.device)
     assert (el - fl)[mask.bool()].abs().max() < 2e-2 and abs(eloss - floss) < 1e-2  # the kernel computes in bf16
