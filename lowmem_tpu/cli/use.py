@@ -104,7 +104,13 @@ def chat(
     fmt = session.prompt_format or "raw"
     memory = "the whole conversation" if fmt == "chat" else "each message on its own"
     typer.echo(f"{directory} ({fmt} prompts: the model sees {memory}). /reset starts over, /exit leaves.", err=True)
-    for line in sys.stdin:
+    interactive = sys.stdin.isatty()
+    while True:
+        if interactive:
+            typer.echo("> ", nl=False, err=True)
+        line = sys.stdin.readline()
+        if not line:
+            break
         message = line.strip()
         if message in ("/exit", "/quit"):
             break
