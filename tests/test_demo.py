@@ -46,7 +46,8 @@ def test_embedded_default_learns_to_reverse_strings(demo, tmp_path):
     # torch_xla 2.9, cannot deserialize it: it compiles again and says so once, without a warning wall.
     cache = Path(metrics["compiles"]["persistent_cache"]["dir"])
     assert cache.is_dir() and any(cache.iterdir())
-    again = cli("sft", f"output_dir={tmp_path / 'again'}", "train.max_steps=3")
+    no_eval = ["train.eval_samples=0", "data.eval_path=null"]
+    again = cli("sft", f"output_dir={tmp_path / 'again'}", "train.max_steps=3", *no_eval)
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stdout.count("could not be read back") == 1
     assert "Failed to deserialize" not in again.stderr
@@ -54,18 +55,17 @@ def test_embedded_default_learns_to_reverse_strings(demo, tmp_path):
     assert cached["unreadable"] > 0 and cached["dir"] == str(cache)
 
 
-def test_generate_reverses_a_held_out_word_on_the_xla_devices_and_on_the_cpu(demo):
+def test_generate_reverses_a_held_out_word_on_the_xla_devices(demo):
     out, _ = demo
     # "laltq" is in the held-out set (builtin:reverse/eval.jsonl), not in training
     xla = cli("generate", str(out / "final"), "--prompt", "reverse laltq", "--verbose")
     assert xla.returncode == 0, xla.stderr[-3000:]
     assert xla.stdout == "qtlal\n"  # only the completion: the chat template was applied, the EOS stopped it
     assert "(eos)" in xla.stderr and "chat prompt" in xla.stderr and "2 XLA graphs compiled" in xla.stderr
-    cpu = cli("generate", str(out / "final"), "--prompt", "reverse laltq", "--device", "cpu")
-    assert cpu.returncode == 0 and cpu.stdout == "qtlal\n", cpu.stderr[-3000:]
 
 
 def test_chat_keeps_the_conversation_over_stdin(demo):
+    """On plain CPU PyTorch (--device cpu): the same answers as on the XLA devices."""
     out, _ = demo
     done = cli("chat", str(out / "final"), "--device", "cpu", stdin="reverse abcde\n/reset\nreverse vesjy\n/exit\n")
     assert done.returncode == 0, done.stderr[-3000:]

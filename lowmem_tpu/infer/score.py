@@ -18,19 +18,19 @@ from lowmem_tpu.errors import UserError
 DEFAULT_SAMPLES = 100
 
 
-def _recipe(trained: Any, data: str, fmt: str | None, split: str | None, out: str) -> Any:
+def _recipe(saved: dict[str, Any], directory: Path, data: str, fmt: str | None, split: str | None, out: str) -> Any:
     """The run's recipe, pointed at ``data`` as its held-out set (nothing is trained)."""
     import yaml
 
     from lowmem_tpu.config import apply_overrides, validate_recipe
 
-    if not trained.recipe:
-        raise UserError(f"{trained.directory}: no recipe.yaml beside the weights; eval needs the run's data settings")
+    if not saved:
+        raise UserError(f"{directory}: no recipe.yaml beside the weights; eval needs the run's data settings")
     overrides = [f"data.path={data}", "data.eval_path=null", "data.eval_fraction=0", f"output_dir={out}"]
     overrides += ["train.eval_samples=0", "train.eval_steps=null", "hub.push=false", "data.max_samples=null"]
     overrides += [f"data.format={fmt}"] if fmt else []
     overrides += [f"data.split={split}"] if split else []
-    text = yaml.safe_dump(trained.recipe)
+    text = yaml.safe_dump(saved)
     return validate_recipe(apply_overrides(yaml.safe_load(text), overrides))
 
 
@@ -40,22 +40,22 @@ def evaluate_directory(
     """Loss, perplexity, token accuracy and greedy exact match of the model in ``directory`` on ``data``."""
     from lowmem_tpu import data as d
     from lowmem_tpu.console import say
+    from lowmem_tpu.data.formats import require_columns
     from lowmem_tpu.infer.load import kind_of, load_trained
     from lowmem_tpu.publish.merge import read_recipe_data
     from lowmem_tpu.xla import runtime as rt
 
     kind_of(Path(directory))
     saved = read_recipe_data(Path(directory))
-    runtime_cfg = saved.get("runtime", {})
-    from lowmem_tpu.config import RuntimeSection
-
-    runtime = rt.setup_runtime(RuntimeSection(device="auto", num_cpu_devices=runtime_cfg.get("num_cpu_devices", 4)))
-    trained = load_trained(Path(directory))
     n = samples if samples is not None else (saved.get("train", {}).get("eval_samples") or DEFAULT_SAMPLES)
     with tempfile.TemporaryDirectory(prefix="lowmem-eval-") as out:
-        recipe = _recipe(trained, data, fmt, split, out)
-        from lowmem_tpu.config import micro_batch_size
+        recipe = _recipe(saved, Path(directory), data, fmt, split, out)
+        records, source = d.select_records(recipe.data, "eval", path=data)
+        require_columns(records, recipe.data, source)  # data in the wrong format fails before any weights load
+        from lowmem_tpu.config import RuntimeSection, micro_batch_size
 
+        runtime = rt.setup_runtime(RuntimeSection(device="auto", num_cpu_devices=recipe.runtime.num_cpu_devices))
+        trained = load_trained(Path(directory))
         micro = micro_batch_size(recipe, runtime.num_devices)
         rows, stats = d.build_dataset(recipe.data, trained.tokenizer, role="eval", path=data)
         with_answers = recipe.data.format != "text" and n > 0
