@@ -188,10 +188,10 @@ def test_recipe_refuses_quantizing_a_fully_fine_tuned_base():
 # ----------------------------------------------------------------------------- training on 4 CPU XLA devices
 
 QUICK = [
-    "train.max_steps=30",
-    "train.logging_steps=10",
+    "train.max_steps=18",
+    "train.logging_steps=6",
     "train.eval_steps=null",
-    "train.eval_samples=16",
+    "train.eval_samples=0",
     "train.global_batch_size=32",
 ]
 
@@ -214,7 +214,7 @@ def trained(tmp_path_factory, bases):
 def test_losses_match_the_full_precision_base(trained):
     losses = {m: [e["loss"] for e in run.metrics["train"]["losses"]] for m, (_, run) in trained.items()}
     assert len(losses["none"]) == 3 and losses["none"][-1] < losses["none"][0] - 0.2, losses  # it learns
-    # Measured: every logged loss within 0.4% (int8) and 0.2% (int4) of the float base's.
+    # Measured at 30 steps: every logged loss within 0.4% (int8) and 0.2% (int4) of the float base's.
     for method, tolerance in (("int8", 0.01), ("int4", 0.02)):
         for a, b in zip(losses["none"], losses[method], strict=True):
             assert b == pytest.approx(a, rel=tolerance), (method, losses)
