@@ -16,6 +16,13 @@ def say(message: str) -> None:
     print(f"[{time.perf_counter() - _START:6.1f}s] {message}", flush=True)
 
 
+def size(n: float | None) -> str:
+    """Bytes as "1.23 GiB", or "12.3 MiB" below a GiB ("n/a" for None)."""
+    if n is None:
+        return "n/a"
+    return f"{n / 2**30:.2f} GiB" if abs(n) >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
 def table(rows: list[tuple[str, str]]) -> str:
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)

@@ -25,6 +25,7 @@ from typing import Any
 
 from lowmem_tpu.config.devices import GiB, device_for, host_memory
 from lowmem_tpu.config.platform import tpu_present
+from lowmem_tpu.console import size
 
 CONSTRAINTS = Path(__file__).resolve().parents[1] / "constraints.txt"
 CORE = ("torch", "torch_xla", "transformers", "trl", "peft", "datasets", "accelerate", "protobuf", "sentencepiece")
@@ -208,8 +209,8 @@ def check_training(on_tpu: bool, steps: int = 8, timeout: float = 1200) -> tuple
         "memory": memory,
     }
     kind = first.get("device_kind", first["platform"])
-    capacity = memory.get("per_device_gib", {}).get("device_memory")
-    each = f", {_gib(capacity)} each" if capacity else ""
+    capacity = memory.get("per_device_bytes", {}).get("device_memory")
+    each = f", {size(capacity)} each" if capacity else ""
     checks = [Check("devices", "ok", f"{first['num_devices']} x {kind}{each}, one SPMD mesh"), _loss_check(losses)]
     step = train["steady_step_time"]
     timing = f"{compiles['total']} compiles in {compiles['seconds']:.1f} s; " + (f"{step:.3f} s/step" if step else "")
@@ -235,15 +236,11 @@ def _loss_check(losses: list[float]) -> Check:
     return Check("training", "ok" if losses[-1] < losses[0] else "warn", detail)
 
 
-def _gib(value: float) -> str:
-    return f"{value:.2f} GiB" if value >= 1 else f"{value * 1024:.1f} MiB"
-
-
 def _memory_check(memory: dict[str, Any], on_tpu: bool) -> Check:
-    figures = memory.get("per_device_gib", {})
-    planned = f"planned {_gib(figures['planned_peak'])}" if "planned_peak" in figures else "not planned"
+    figures = memory.get("per_device_bytes", {})
+    planned = f"planned {size(figures['planned_peak'])}" if "planned_peak" in figures else "not planned"
     if "measured_peak" in figures:
-        return Check("memory per device", "ok", f"measured peak {_gib(figures['measured_peak'])}, {planned}")
+        return Check("memory per device", "ok", f"measured peak {size(figures['measured_peak'])}, {planned}")
     if on_tpu:
         fix = "pip install tpu-info (libtpu's runtime metrics give HBM per chip)"
         return Check("memory per device", "fail", f"{planned}; not measured: {memory.get('not_measured')}", fix)

@@ -16,6 +16,7 @@ from typing import Any
 from lowmem_tpu.config import Recipe
 from lowmem_tpu.config.devices import DEVICES
 from lowmem_tpu.config.platform import on_tpu
+from lowmem_tpu.console import size
 from lowmem_tpu.memory import measure
 from lowmem_tpu.memory.advise import plan_json
 from lowmem_tpu.memory.plan import Plan, plan_setting
@@ -109,17 +110,11 @@ def compare_recipe(recipe: Recipe, steps: int, out: Path) -> dict[str, Any]:
     return result
 
 
-def _human(n: float | None) -> str:
-    if n is None:
-        return "n/a"
-    return f"{n / 2**30:.2f} GiB" if abs(n) >= 2**30 else f"{n / 2**20:.1f} MiB"
-
-
 def _cell(mode: dict[str, Any], side: str, segment: str) -> str:
     data = mode[side]
     if segment == "peak":
-        return _human(data["peak"]) if data["peak"] or side == "planned" else "no fit" if not data["fits"] else "n/a"
-    return _human(data["segments"][segment]) if data["segments"] else "n/a"
+        return size(data["peak"]) if data["peak"] or side == "planned" else "no fit" if not data["fits"] else "n/a"
+    return size(data["segments"][segment]) if data["segments"] else "n/a"
 
 
 def format_compare(result: dict[str, Any]) -> str:
@@ -142,14 +137,12 @@ def format_compare(result: dict[str, Any]) -> str:
         else:
             lines.append(f"  {name}: not measured ({measured['source']})")
         if measured.get("runtime_peak") and measured.get("compiler_peak"):
-            compiler, runtime = _human(measured["compiler_peak"]), _human(measured["runtime_peak"])
+            compiler, runtime = size(measured["compiler_peak"]), size(measured["runtime_peak"])
             lines.append(f"  {name}: TPU compiler {compiler} per device, runtime peak {runtime}")
         if "planned_on_target" in mode:
             target = mode["planned_on_target"]
             verdict = "fits" if target["plan"]["fits"] else "does not fit"
-            lines.append(
-                f"  {name} on {target['device']} (runtime.target): planned {_human(target['peak'])}, {verdict}"
-            )
+            lines.append(f"  {name} on {target['device']} (runtime.target): planned {size(target['peak'])}, {verdict}")
     for key, label in (("compile_seconds", "compile time (s)"), ("tokens_per_second", "tokens/s")):
         values = [mode["measured"].get(key) for mode in (lora, full)]
         shown = ["n/a (not run)" if v is None else f"{v:,.1f}" for v in values]
@@ -183,7 +176,7 @@ def chart(result: dict[str, Any], path: Path) -> Path:
             label = segment if (mode, side) == ("lora", "measured") else None
             ax.bar(x, value, bottom=bottom, color=color, hatch=hatch, edgecolor="white", width=0.65, label=label)
             bottom += value
-        ax.text(x, bottom, _human(data["peak"]), ha="center", va="bottom", fontsize=9)
+        ax.text(x, bottom, size(data["peak"]), ha="center", va="bottom", fontsize=9)
     ax.set_xticks(positions, [f"{'LoRA' if m == 'lora' else 'full'}\n{side}" for m, side in bars])
     ax.set_ylabel(f"{unit} per device")
     ax.set_ylim(0, top / scale * 1.12)

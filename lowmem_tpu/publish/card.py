@@ -213,11 +213,10 @@ def _memory_rows(memory: dict[str, Any]) -> list[tuple[str, Any]]:
     """Per-device memory as recorded in metrics.json by ``lowmem-tpu sft`` (lowmem_tpu.memory.record)."""
     figures = memory.get("per_device_bytes") or {}
 
-    def gib(key: str) -> str | None:
-        value = figures.get(key)
-        if value is None:
-            return None
-        return f"{value / 2**30:.2f} GiB" if value >= 2**30 else f"{value / 2**20:.1f} MiB"
+    def gib(key: str) -> str:
+        from lowmem_tpu.console import size
+
+        return size(figures.get(key))
 
     rows: list[tuple[str, Any]] = []
     if "planned_peak" in figures:

@@ -7,6 +7,8 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from lowmem_tpu.console import size
+
 
 def format_log(step: int, max_steps: int, logs: dict[str, float]) -> str:
     parts = [f"step {step:>{len(str(max_steps))}}/{max_steps}"]
@@ -24,15 +26,11 @@ def format_log(step: int, max_steps: int, logs: dict[str, float]) -> str:
     parts += [template.format(logs[key]) for key, template in fields if key in logs]
     planned = logs.get("memory_planned_gib")
     if "memory_peak_gib" in logs:
-        plan = f" (planned {_size(planned)})" if planned else ""
-        parts.append(f"HBM peak {_size(logs['memory_peak_gib'])}/dev{plan}")
+        plan = f" (planned {size(planned * 2**30)})" if planned else ""
+        parts.append(f"HBM peak {size(logs['memory_peak_gib'] * 2**30)}/dev{plan}")
     elif planned:
-        parts.append(f"memory planned {_size(planned)}/dev")
+        parts.append(f"memory planned {size(planned * 2**30)}/dev")
     return " | ".join(parts)
-
-
-def _size(gib: float) -> str:
-    return f"{gib:.2f} GiB" if gib >= 1 else f"{gib * 1024:.1f} MiB"
 
 
 class ProgressCallback(TrainerCallback):
