@@ -108,3 +108,126 @@ def test_flash_attention_on_a_tpu_equals_eager():  # pragma: no cover - TPU only
     fl, floss, fg = _run(_tiny("flash", layers=1), ids, mask, runtime.device)
     assert (el - fl)[mask.bool()].abs().max() < 2e-2 and abs(eloss - floss) < 1e-2  # the kernel computes in bf16
     assert all((eg[n] - fg[n]).abs().max() <= 5e-2 * eg[n].abs().max() + 1e-5 for n in eg)
+
+
+# ----------------------------------------------------------------------------- train.chunked_loss
+
+
+def _reference_loss(hidden, weight, labels):
+    logits = torch.matmul(hidden, weight.t()).float()
+    flat, target = logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1)
+    return torch.nn.functional.cross_entropy(flat, target, ignore_index=-100, reduction="sum")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_loss_equals_the_whole_logits_loss_and_gradients(dtype):
+    from lowmem_tpu.model.loss import summed_loss
+
+    _touch_xla()
+    torch.manual_seed(0)
+    hidden = torch.randn(3, 37, 16).to(dtype).requires_grad_()  # 37 positions: blocks of 8, 8, 8, 8 and 5
+    weight = torch.randn(50, 16).to(dtype).requires_grad_()
+    labels = torch.randint(0, 50, (3, 37))
+    labels[1, 30:], labels[0, :5] = -100, -100  # padding and a masked prompt
+    ref = _reference_loss(hidden, weight, labels)
+    ref_grads = torch.autograd.grad(ref, (hidden, weight))
+    total, correct = summed_loss(hidden, weight, labels, chunk=8)
+    grads = torch.autograd.grad(total, (hidden, weight))
+    predicted = torch.matmul(hidden, weight.t()).float()[:, :-1].argmax(-1)
+    assert int(correct) == int(((predicted == labels[:, 1:]) & (labels[:, 1:] != -100)).sum())
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: each gradient rounded once to 8 bits of mantissa
+    assert abs(total.item() - ref.item()) <= tol * abs(ref.item())
+    for mine, theirs in zip(grads, ref_grads, strict=True):
+        assert mine.dtype == dtype
+        assert (mine.float() - theirs.float()).abs().max() <= tol * theirs.float().abs().max()
+
+
+def test_chunked_loss_through_the_model_on_the_xla_devices_equals_the_models_loss(batch, monkeypatch):
+    import torch_xla
+
+    from lowmem_tpu.model import loss
+
+    _touch_xla()  # 37 positions: blocks of 5 (config.rules.loss_block)
+    ids, mask = batch
+    labels = ids.masked_fill(mask == 0, -100)
+    device = torch_xla.device()
+    reference, chunked = _tiny("eager").to(device), _tiny("eager").to(device)
+    loss.add_chunked_loss(chunked)
+    inputs = {"input_ids": ids.to(device), "attention_mask": mask.to(device), "labels": labels.to(device)}
+    expected = reference(**inputs).loss
+    expected.backward()
+    out = chunked(**inputs, chunked_loss=True)
+    assert set(out) == {"loss", "correct"}
+    items = int((labels[:, 1:] != -100).sum())
+    (out["loss"] / items).backward()
+    assert abs(out["loss"].item() / items - expected.item()) < 1e-5
+    theirs = dict(reference.named_parameters())
+    for name, param in chunked.named_parameters():
+        g, h = param.grad.cpu(), theirs[name].grad.cpu()
+        assert (g - h).abs().max() <= 1e-4 * h.abs().max() + 1e-7, name
+
+
+def test_chunked_loss_refuses_the_fused_head_too():
+    from lowmem_tpu.config import RecipeError
+
+    with pytest.raises(RecipeError, match="two ways to skip the logits"):
+        load_recipe("recipes/tiny_lora_cpu.yaml", ["train.chunked_loss=true", "train.fused_lm_head=true"])
+
+
+# ----------------------------------------------------------------------------- checkpointing policies, offload
+
+
+def test_checkpointing_policies_are_parsed_and_bad_ones_refused():
+    from lowmem_tpu.config import RecipeError
+
+    every = {
+        v: load_recipe("recipes/tiny_lora_cpu.yaml", [f"sharding.activation_checkpointing={v}"])
+        for v in ("true", "false", "every_2", "every_3")
+    }
+    assert [r.sharding.checkpoint_every for r in every.values()] == [1, 0, 2, 3]
+    for bad in ("every_1", "every", "sometimes"):
+        with pytest.raises(RecipeError, match="every_K with K >= 2"):
+            load_recipe("recipes/tiny_lora_cpu.yaml", [f"sharding.activation_checkpointing={bad}"])
+    with pytest.raises(RecipeError, match="scan_layers runs one compiled layer"):
+        load_recipe(
+            "recipes/tiny_lora_cpu.yaml", ["sharding.activation_checkpointing=every_2", "sharding.scan_layers=true"]
+        )
+
+
+def test_offload_is_refused_on_the_cpu_backend_with_the_measured_reason():
+    from lowmem_tpu.config import RecipeError
+
+    with pytest.raises(RecipeError, match="Side-effect ops cannot be replicated"):
+        load_recipe("recipes/tiny_lora_cpu.yaml", ["sharding.offload_activations=true"])
+
+
+def test_the_cpu_backend_really_cannot_compile_host_offload():
+    """What the refusal above says, measured: XLA:CPU under SPMD rejects the placement annotation."""
+    import subprocess
+    import sys
+
+    script = (
+        "import numpy as np, torch, torch_xla, torch_xla.runtime as xr, torch_xla.distributed.spmd as xs\n"
+        "from torch_xla.experimental.stablehlo_custom_call import place_to_host\n"
+        "xr.use_spmd(); mesh = xs.Mesh(np.arange(4), (4, 1), ('fsdp', 'model'))\n"
+        "x = torch.randn(8, 8).to(torch_xla.device()); xs.mark_sharding(x, mesh, ('fsdp', None))\n"
+        "y = place_to_host(x.sin()); xs.mark_sharding(y, mesh, ('fsdp', None))\n"
+        "try:\n    torch_xla.sync(); print(y.cpu().sum())\nexcept Exception as err:\n    print('REFUSED', err)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert "REFUSED" in done.stdout and "Side-effect ops cannot be replicated" in done.stdout, done.stdout[-500:]
+
+
+@pytest.mark.tpu
+@pytest.mark.skipif(__import__("os").environ.get("PJRT_DEVICE", "CPU").upper() != "TPU", reason="needs a TPU")
+def test_offloaded_checkpointing_trains_like_plain_checkpointing_on_a_tpu(tmp_path_factory):  # pragma: no cover
+    """sharding.offload_activations on a TPU: same losses as checkpointing on the device."""
+    from tiny_models import train_tiny
+
+    quick = ["runtime.device=tpu", "train.max_steps=3", "train.logging_steps=1", "train.eval_samples=0"]
+    quick += ["data.eval_path=null", "train.eval_steps=null"]
+    _, plain = train_tiny(tmp_path_factory, "ckpt", *quick)
+    _, offloaded = train_tiny(tmp_path_factory, "offload", *quick, "sharding.offload_activations=true")
+    a, b = (r.metrics["train"]["losses"] for r in (plain, offloaded))
+    assert len(a) == len(b) == 3
+    assert all(x["loss"] == pytest.approx(y["loss"], rel=1e-3) for x, y in zip(a, b, strict=True))

@@ -152,22 +152,29 @@ def test_suggestions_turn_techniques_on_in_order_until_it_fits():
     llama = replace(SHAPE, vocab=32000)
     worst = replace(BASE, strategy="replicated", checkpointing=False, length=1024, global_batch=16)
     start = memory.plan_setting(llama, worst, "tpu", GiB)
-    steps = memory_report.next_steps(llama, replace(start, capacity=start.needed // 3))
+    steps = memory_report.next_steps(llama, replace(start, capacity=start.needed // 6))
     names = [s.override for s in steps]
     # Cheapest first: sharding, then a smaller micro-batch with accumulation, before recomputation
     assert names[:2] == ["sharding.strategy=fsdp", "train.gradient_accumulation_steps=2"], names
-    order = ["train.gradient_accumulation_steps", "train.fused_lm_head", "model.attn_implementation", "sharding.act"]
-    firsts = [i for o in order for i, n in enumerate(names) if n.startswith(o)]
-    assert firsts == sorted(firsts) and len(firsts) >= 3, names
+    order = ["train.gradient_accumulation_steps", "train.chunked_loss", "model.attn_implementation", "sharding.act"]
+    firsts = [next(i for i, n in enumerate(names) if n.startswith(o)) for o in order]
+    assert firsts == sorted(firsts), names
+    # Checkpointing comes one layer in two first, then every layer; offload only in a TPU plan.
+    checkpointing = [n for n in names if n.startswith("sharding.act")]
+    assert checkpointing == ["sharding.activation_checkpointing=every_2", "sharding.activation_checkpointing=true"]
+    assert names.index("sharding.offload_activations=true") > names.index(checkpointing[-1])
     peaks = [start.peak] + [s.plan.peak for s in steps]
     assert all(b < a for a, b in itertools.pairwise(peaks))
-    assert steps[-1].plan.fits
+    assert memory_report.next_steps(llama, replace(start, capacity=start.needed // 3))[-1].plan.fits
+    cpu = memory.plan_setting(llama, worst, "cpu", GiB)
+    cpu_steps = memory_report.next_steps(llama, replace(cpu, capacity=cpu.needed // 6))
+    assert "sharding.offload_activations=true" not in [s.override for s in cpu_steps]  # refused off a TPU
 
 
 def test_suggestions_stop_when_nothing_is_left():
     steps = memory_report.next_steps(SHAPE, plan(capacity=1))
     assert steps and not steps[-1].plan.fits
-    known = {"train.optimizer=adafactor", "lora.enabled=true", "train.fused_lm_head=true"}
+    known = {"train.optimizer=adafactor", "lora.enabled=true", "train.chunked_loss=true"}
     known |= {"train.gradient_accumulation_steps=2", "model.attn_implementation=chunked", "data.max_length=16"}
     assert {s.override for s in steps} <= known
     text = "\n".join(memory_report.format_plan("the recipe", plan(capacity=1), steps))
@@ -418,12 +425,12 @@ def test_quantized_lm_head_is_counted_and_dequantized_whole():
 
 def test_quantization_is_suggested_to_lora_only_and_shown_in_the_report():
     seven = ["model.name_or_path=openlm-research/open_llama_7b_v2", "train.global_batch_size=1"]
-    seven += ["model.attn_implementation=chunked", "data.max_length=2048"]  # no cheaper lever left
+    seven += ["model.attn_implementation=chunked", "train.chunked_loss=true", "data.max_length=4096"]  # levers on
     recipe = load_recipe(ROOT / "recipes/open_llama_lora.yaml", [*seven, "runtime.num_cpu_devices=1"])
     report = memory_report.plan_recipe(recipe, "v5e-1")
     assert not report.plan.fits
     overrides = [s.override for s in report.steps]
-    assert "model.quantize=int8" in overrides and report.steps[-1].plan.fits
+    assert overrides == ["sharding.offload_activations=true", "model.quantize=int8"] and report.steps[-1].plan.fits
     twin = [s.override for s in report.twin_steps]  # full fine-tuning: a quantized base only after LoRA
     assert all(twin.index("lora.enabled=true") < i for i, o in enumerate(twin) if o.startswith("model.quantize"))
     int4 = load_recipe(

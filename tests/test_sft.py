@@ -195,23 +195,48 @@ def test_scan_layers_trains_exactly_like_unrolled_layers(tmp_path_factory):
     assert (scanned.final_dir / "adapter_model.safetensors").exists()
 
 
-def test_accumulation_gives_the_unaccumulated_step(tmp_path_factory):
-    """train.gradient_accumulation_steps: one micro-batch per XLA program, the same step as without."""
+ONE_STEP = ["train.max_steps=1", "train.logging_steps=1", "train.eval_samples=0", "train.eval_steps=null"]
+ONE_STEP += ["data.eval_path=null", "train.warmup_steps=0"]
+
+
+@pytest.fixture(scope="module")
+def one_step(tmp_path_factory):
+    return _run(tmp_path_factory, "one-step", *ONE_STEP)[1]
+
+
+def _same_step(a, b, adapter_tolerance: float = 1e-4) -> None:
+    """Two one-step runs logged the same loss and gradient norm and saved (nearly) the same adapter."""
     from safetensors.torch import load_file
 
-    quick = ["train.max_steps=1", "train.logging_steps=1", "train.eval_samples=0", "train.eval_steps=null"]
-    quick += ["data.eval_path=null", "train.warmup_steps=0"]
-    _, one = _run(tmp_path_factory, "acc1", *quick)
-    _, two = _run(tmp_path_factory, "acc2", *quick, "train.gradient_accumulation_steps=2")
-    logs = [[e for e in r.metrics["train"]["log"] if "loss" in e] for r in (one, two)]
-    for a, b in zip(*logs, strict=True):
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["grad_norm"] == pytest.approx(
-            b["grad_norm"], rel=1e-5
-        )
-    x, y = (load_file(r.final_dir / "adapter_model.safetensors") for r in (one, two))
+    logs = [[e for e in r.metrics["train"]["log"] if "loss" in e] for r in (a, b)]
+    assert len(logs[0]) == len(logs[1]) == 1
+    for x, y in zip(*logs, strict=True):
+        assert x["loss"] == pytest.approx(y["loss"], rel=1e-5)
+        assert x["grad_norm"] == pytest.approx(y["grad_norm"], rel=1e-5)
+    x, y = (load_file(r.final_dir / "adapter_model.safetensors") for r in (a, b))
     # AdamW turns gradients equal to ~1e-7 into updates equal to ~1e-5 (lr 3e-3): far below a step
-    assert max((x[k] - y[k]).abs().max().item() for k in x) < 1e-4
+    assert max((x[k] - y[k]).abs().max().item() for k in x) < adapter_tolerance
+
+
+def test_accumulation_gives_the_unaccumulated_step(tmp_path_factory, one_step):
+    """train.gradient_accumulation_steps: one micro-batch per XLA program, the same step as without."""
+    _, two = _run(tmp_path_factory, "acc2", *ONE_STEP, "train.gradient_accumulation_steps=2")
+    _same_step(one_step, two)
     assert two.metrics["micro_batch_size"] == 8
+
+
+def test_checkpointing_one_layer_in_two_gives_the_same_step(tmp_path_factory, one_step):
+    """sharding.activation_checkpointing: every_2 recomputes layer 0 only (of 2): the same arithmetic."""
+    _, every2 = _run(tmp_path_factory, "every2", *ONE_STEP, "sharding.activation_checkpointing=every_2")
+    _same_step(one_step, every2)
+
+
+def test_chunked_loss_gives_the_same_step(tmp_path_factory, one_step):
+    """train.chunked_loss through the real trainer: 8 blocks of the tiny recipe's positions, same step."""
+    _, chunked = _run(tmp_path_factory, "chunked-loss", *ONE_STEP, "train.chunked_loss=true")
+    _same_step(one_step, chunked)
+    log = next(e for e in chunked.metrics["train"]["log"] if "loss" in e)
+    assert 0 <= log["token_accuracy"] <= 1  # counted from the blocks' top-1 hits
 
 
 def test_skip_mode_drops_a_nonfinite_update_exactly(lora_run, tmp_path):

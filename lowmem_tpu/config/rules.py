@@ -43,3 +43,9 @@ def parse_duration(text: str) -> float:
         raise ValueError(f"{text!r} is not a duration like 8h30m, 45m or 90s")
     hours, minutes, seconds = (int(g or 0) for g in match.groups())
     return hours * 3600.0 + minutes * 60.0 + seconds
+
+
+def loss_block(length: int) -> int:
+    """Positions per block of ``train.chunked_loss``: at most 256, and at least 8 blocks per sequence
+    (torchtune's chunked loss cuts into 8): 2048 tokens -> 256, 4096 -> 256, 512 -> 64."""
+    return max(1, min(256, -(-length // 8)))

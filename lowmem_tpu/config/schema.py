@@ -161,8 +161,16 @@ class ShardingSection(Section):
     strategy: Literal["fsdp", "replicated"] = Field(
         "fsdp", description="fsdp: every weight sharded over all devices (1/N each); replicated: a copy per device."
     )
-    activation_checkpointing: bool = Field(
-        True, description="Recompute each decoder layer in backward: keeps one layer's activations, ~+30% compute."
+    activation_checkpointing: bool | str = Field(
+        True,
+        description="true: recompute every decoder layer in backward (keeps each layer's input only, ~+30% "
+        "compute); every_K (every_2, every_3, ...): recompute one layer in K, the others keep their "
+        "activations (K times less recompute, more memory); false: recompute nothing.",
+    )
+    offload_activations: bool = Field(
+        False,
+        description="TPU only: keep the checkpointed layer inputs in host memory, brought back for each layer's "
+        "backward (frees ~layers x tokens x hidden x dtype bytes per device, costs host bandwidth).",
     )
     scan_layers: bool = Field(
         False,
@@ -172,6 +180,25 @@ class ShardingSection(Section):
     layer_class: str | None = Field(
         None, description="Decoder layer class to wrap and checkpoint (default: the model's own decoder layer)."
     )
+
+    @field_validator("activation_checkpointing")
+    @classmethod
+    def _policy(cls, value: bool | str) -> bool | str:
+        if isinstance(value, bool) or checkpoint_interval(value) > 1:
+            return value
+        raise ValueError(f"{value!r}: use true, false, or every_K with K >= 2 (every_2: one layer in two)")
+
+    @property
+    def checkpoint_every(self) -> int:
+        """Layers per checkpointed layer: 0 none, 1 every layer, K one layer in K."""
+        value = self.activation_checkpointing
+        return int(value) if isinstance(value, bool) else checkpoint_interval(value)
+
+
+def checkpoint_interval(value: str) -> int:
+    """K of an ``every_K`` checkpointing policy (0 when the text is not one)."""
+    head, _, count = value.partition("_")
+    return int(count) if head == "every" and count.isdigit() else 0
 
 
 class RuntimeSection(Section):
@@ -219,6 +246,11 @@ class TrainSection(Section):
         False,
         description="TRL's chunked LM head: never builds [batch, length, vocab] logits (saves ~8 bytes x that "
         "per device) but about doubles step time on XLA.",
+    )
+    chunked_loss: bool = Field(
+        False,
+        description="Cross-entropy over blocks of at most 256 positions, recomputed in backward: never the whole "
+        "[tokens, vocab] fp32 logits (saves ~12 bytes x tokens x vocab per device), at about the same speed.",
     )
     max_new_tokens: int = Field(16, gt=0, description="Generation length for the exact-match evaluation.")
     seed: int = Field(42, description="Seed for initialisation, data order and dropout.")
@@ -351,6 +383,10 @@ def cross_problems(recipe: Recipe) -> list[tuple[tuple[str, ...], str]]:
             '("Only interpret mode is supported on CPU backend"); use chunked (the same memory saving, any backend)'
         )
         problems.append((("model.attn_implementation", "runtime.device"), message))
+    if t.chunked_loss and t.fused_lm_head:
+        message = "train.chunked_loss: true and train.fused_lm_head: true are two ways to skip the logits; pick one"
+        problems.append((("train.chunked_loss", "train.fused_lm_head"), message))
+    problems += _sharding_problems(recipe.sharding, recipe.runtime)
     if recipe.hub.push and not recipe.hub.repo_id:
         problems.append((("hub.push", "hub.repo_id"), "hub.repo_id: required when hub.push is true (OWNER/NAME)"))
     held_out = data.eval_path or data.eval_fraction
@@ -375,6 +411,33 @@ def target_problem(recipe: Recipe) -> str | None:
     t = recipe.train
     problem = batch_split_problem(t.global_batch_size, t.gradient_accumulation_steps, target.devices)
     return f"{problem} (runtime.target: {target.name}, {target.devices} devices)" if problem else None
+
+
+def _sharding_problems(sharding: ShardingSection, runtime: RuntimeSection) -> list[tuple[tuple[str, ...], str]]:
+    problems: list[tuple[tuple[str, ...], str]] = []
+    if sharding.checkpoint_every > 1 and sharding.scan_layers:
+        message = (
+            f"sharding.activation_checkpointing: {sharding.activation_checkpointing} checkpoints some layers, but "
+            "sharding.scan_layers runs one compiled layer for all of them; use true or false with scan_layers"
+        )
+        problems.append((("sharding.activation_checkpointing", "sharding.scan_layers"), message))
+    if not sharding.offload_activations:
+        return problems
+    if not on_tpu(runtime.device):
+        message = (
+            "sharding.offload_activations: host offload needs the TPU compiler; the CPU backend cannot compile it "
+            '(under SPMD: "Side-effect ops cannot be replicated" for the annotate_device_placement custom call); '
+            "use sharding.activation_checkpointing, model.attn_implementation: chunked or train.chunked_loss here"
+        )
+        problems.append((("sharding.offload_activations", "runtime.device"), message))
+    elif sharding.checkpoint_every != 1 or sharding.scan_layers:
+        message = (
+            "sharding.offload_activations: offloads the inputs that checkpointing keeps, so it needs "
+            "sharding.activation_checkpointing: true and sharding.scan_layers: false"
+        )
+        fields = ("sharding.offload_activations", "sharding.activation_checkpointing", "sharding.scan_layers")
+        problems.append((fields, message))
+    return problems
 
 
 def _data_problems(data: DataSection) -> list[tuple[tuple[str, ...], str]]:

@@ -35,10 +35,28 @@ def _more_sharding(st: Setting) -> tuple[Setting, str, str] | None:
 
 
 def _checkpointing(st: Setting) -> tuple[Setting, str, str] | None:
-    if st.checkpointing:
+    """Off -> one layer in two -> every layer: each step recomputes more and keeps less."""
+    if st.checkpointing and st.checkpoint_every == 1:
         return None
-    text = "activation checkpointing"
-    return replace(st, checkpointing=True), text, "sharding.activation_checkpointing=true"
+    if not st.checkpointing:
+        text = "checkpoint one decoder layer in two (recomputes half the layers)"
+        return replace(st, checkpointing=True, checkpoint_every=2), text, "sharding.activation_checkpointing=every_2"
+    text = "activation checkpointing on every decoder layer"
+    return replace(st, checkpoint_every=1), text, "sharding.activation_checkpointing=true"
+
+
+def _offload(st: Setting) -> tuple[Setting, str, str] | None:
+    if st.offload or not st.checkpointing or st.checkpoint_every != 1:
+        return None
+    text = "offload the checkpointed layer inputs to host memory (TPU; host bandwidth)"
+    return replace(st, offload=True), text, "sharding.offload_activations=true"
+
+
+def _chunked_loss(st: Setting) -> tuple[Setting, str, str] | None:
+    if st.chunked_loss or st.fused_head:
+        return None
+    text = "chunked loss (256 positions at a time: no whole [tokens, vocab] logits)"
+    return replace(st, chunked_loss=True), text, "train.chunked_loss=true"
 
 
 def _accumulation(st: Setting) -> tuple[Setting, str, str] | None:
@@ -57,7 +75,7 @@ def _chunked_attention(st: Setting) -> tuple[Setting, str, str] | None:
 
 
 def _fused_head(st: Setting) -> tuple[Setting, str, str] | None:
-    if st.fused_head:
+    if st.fused_head or st.chunked_loss:
         return None
     return replace(st, fused_head=True), "TRL's chunked LM head (no full logits)", "train.fused_lm_head=true"
 
@@ -91,41 +109,60 @@ def _shorter(st: Setting) -> tuple[Setting, str, str] | None:
     return replace(st, length=length), f"shorter sequences ({length} tokens)", f"data.max_length={length}"
 
 
-# Cheapest first: sharding and accumulation cost (almost) no speed, the chunked head and attention
-# some, checkpointing recomputes every layer's forward pass; then what changes the training itself.
+# Cheapest first: sharding, accumulation and the chunked loss cost (almost) no speed, chunked
+# attention some, checkpointing recomputes layers' forward passes (half, then all), offload costs
+# host bandwidth (TPU only); then what changes the training itself. TRL's fused head (which
+# doubles the XLA step time) is left for when the chunked loss cannot be used.
 TECHNIQUES = (
     _more_sharding,
     _accumulation,
-    _fused_head,
+    _chunked_loss,
     _chunked_attention,
     _checkpointing,
+    _offload,
     _adafactor,
     _lora,
     _quantize,
     _shorter,
 )
 
+# Doubling accumulation again is suggested only when it lowers the peak by this share (halving
+# the micro-batch again and again for a few MiB reads as noise) or nothing else is left.
+MIN_SAVING = 0.03
+
 
 def next_steps(s: Shape, plan: Plan) -> list[Step]:
     """Techniques to turn on, one at a time in this order, until the plan fits or none is left.
 
-    A technique that would not lower the peak is skipped.
+    The first that lowers the peak is taken; doubling accumulation again must save ``MIN_SAVING``
+    of it (else it comes only when nothing else is left).
     Quantizing the base is suggested only once LoRA is on: full fine-tuning trains the base itself.
     """
     steps: list[Step] = []
     while not plan.fits:
-        for technique in TECHNIQUES:
-            change = technique(plan.setting)
-            if change is None:
-                continue
-            candidate = plan_setting(s, change[0], plan.layout, plan.capacity)
-            if candidate.peak < plan.peak:
-                break
-        else:
+        found = _next(s, plan, MIN_SAVING) or _next(s, plan, 0.0)
+        if found is None:
             return steps
-        plan = candidate
-        steps.append(Step(change[1], change[2], plan))
+        steps.append(found)
+        plan = found.plan
     return steps
+
+
+def _loss_kind(st: Setting) -> str:
+    return "chunked loss" if st.chunked_loss else "TRL's fused head" if st.fused_head else "full logits"
+
+
+def _next(s: Shape, plan: Plan, repeat_saving: float) -> Step | None:
+    """The first technique that lowers the peak (by ``repeat_saving`` when it doubles accumulation again)."""
+    for technique in TECHNIQUES:
+        change = technique(plan.setting)
+        if change is None or (change[0].offload and plan.layout != "tpu"):
+            continue
+        candidate = plan_setting(s, change[0], plan.layout, plan.capacity)
+        repeat = technique is _accumulation and plan.setting.accumulation > 1
+        if candidate.peak < plan.peak * (1 - (repeat_saving if repeat else 0.0)):
+            return Step(change[1], change[2], candidate)
+    return None
 
 
 # ----------------------------------------------------------------------------- a recipe: plan, twin, next steps
@@ -198,7 +235,7 @@ def plan_rows(plan: Plan) -> list[tuple[str, int]]:
             f"activations (checkpointing {'off' if st.checkpointing else 'on'})",
             plan.activations_not_checkpointed if st.checkpointing else plan.activations_checkpointed,
         ),
-        (f"logits / loss buffers ({'chunked head' if st.fused_head else 'full logits'})", plan.logits),
+        (f"logits / loss buffers ({_loss_kind(st)})", plan.logits),
         ("XLA workspace (LM head gathered)", plan.workspace),
         *([(f"dequantized weights ({st.dtype}, transient)", plan.dequantized)] if plan.dequantized else []),
     ]

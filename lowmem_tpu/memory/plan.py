@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from lowmem_tpu.config.rules import loss_block
 from lowmem_tpu.memory.shape import Setting, Shape, linears
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -141,21 +142,30 @@ def attention_scores(s: Shape, st: Setting) -> int:
     return st.live_sequences * s.heads * st.length * st.length * 4
 
 
+def checkpointed_layers(s: Shape, st: Setting) -> int:
+    """Decoder layers recomputed in the backward pass: all, one in ``checkpoint_every``, or none."""
+    return -(-s.layers // st.checkpoint_every) if st.checkpointing else 0
+
+
 def activations(s: Shape, st: Setting, layout: str, checkpointing: bool | None = None) -> int:
     """Activation bytes per device at the start of the backward pass.
 
-    Without checkpointing every layer keeps its activations. With it, each layer keeps only its
-    input (plus the residual stream once) and one layer at a time is recomputed. The CPU compiler
-    on one device was seen keeping each layer's attention (q, k, v and the softmax numerator) from
-    the forward pass anyway (XLA:CPU drops the optimization barriers that keep recomputation in
-    place): that is modelled in the CPU layout only, never in a TPU plan.
+    A layer that is not checkpointed keeps all its activations. A checkpointed one keeps only its
+    input (plus the residual stream once), and one layer at a time is recomputed; with
+    ``offload`` (TPU) those inputs wait in host memory, two in flight on the device. The CPU
+    compiler on one device was seen keeping each layer's attention (q, k, v and the softmax
+    numerator) from the forward pass anyway (XLA:CPU drops the optimization barriers that keep
+    recomputation in place): that is modelled in the CPU layout only, never in a TPU plan.
     """
-    if not (st.checkpointing if checkpointing is None else checkpointing) or cpu_drops_checkpointing(st, layout):
+    on = st.checkpointing if checkpointing is None else checkpointing
+    if not on or cpu_drops_checkpointing(st, layout):
         return s.layers * layer_activations(s, st)
-    e = DTYPE_BYTES[st.dtype]
-    kept = (s.layers + 1) * st.tokens * s.hidden * e + layer_activations(s, st)
+    st = replace(st, checkpointing=True)
+    e, recomputed = DTYPE_BYTES[st.dtype], checkpointed_layers(s, st)
+    inputs = 2 if st.offload and layout == "tpu" else recomputed
+    kept = (inputs + 1) * st.tokens * s.hidden * e + (s.layers - recomputed + 1) * layer_activations(s, st)
     if layout == "cpu" and st.devices == 1:
-        kept += s.layers * (3 * st.tokens * s.hidden * e + attention_scores(s, st))
+        kept += recomputed * (3 * st.tokens * s.hidden * e + attention_scores(s, st))
     return kept
 
 
@@ -178,7 +188,7 @@ def dropout_masks(s: Shape, st: Setting) -> int:
     if not st.lora or st.lora_dropout == 0:
         return 0
     inputs = sum(i for name, (_, i) in linears(s).items() if name in st.targets)
-    layers = 1 if st.checkpointing else s.layers
+    layers = s.layers - checkpointed_layers(s, st) + 1 if st.checkpointing else s.layers
     return layers * st.live_sequences * st.devices * st.length * inputs * 4
 
 
@@ -217,9 +227,12 @@ def logits_bytes(s: Shape, st: Setting) -> int:
     """The loss's buffers per device.
 
     The model's own head builds [tokens, vocab] logits, upcast to fp32 for the loss, and their
-    gradient: three fp32 copies. TRL's fused head (``train.fused_lm_head``) scores at most 4096
-    tokens (over all devices) against 32768-wide vocabulary tiles at a time.
+    gradient: three fp32 copies. The chunked loss (``train.chunked_loss``) holds those for one
+    block of positions at a time (``config.rules.loss_block``). TRL's fused head (``train.fused_lm_head``) scores
+    at most 4096 tokens (over all devices) against 32768-wide vocabulary tiles at a time.
     """
+    if st.chunked_loss:
+        return 3 * st.live_sequences * loss_block(st.length) * s.vocab * 4
     if not st.fused_head:
         return 3 * st.tokens * s.vocab * 4
     rows = math.ceil(min(st.live_sequences * st.devices * (st.length - 1), 4096) / st.devices)

@@ -26,6 +26,7 @@ from lowmem_tpu.config.schema import uses_master_weights
 from lowmem_tpu.data import collate
 from lowmem_tpu.errors import NonFiniteError
 from lowmem_tpu.files import fresh_partial
+from lowmem_tpu.model.loss import add_chunked_loss
 from lowmem_tpu.model.names import ParamNames
 from lowmem_tpu.train import checkpoint as ckpt
 from lowmem_tpu.train.master import with_master_weights
@@ -126,6 +127,8 @@ class XlaSFTTrainer(SFTTrainer):
         self.save_seconds: dict[int, float] = {}  # step -> seconds its checkpoint took
         self._last_log: tuple[float, dict[str, float]] | None = None
         super().__init__(data_collator=collate, **kwargs)
+        if recipe.train.chunked_loss:
+            add_chunked_loss(self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model)
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         self._last_log = (time.perf_counter(), {"step": self.state.global_step})
@@ -183,7 +186,11 @@ class XlaSFTTrainer(SFTTrainer):
         labels = inputs["labels"][:, 1:]
         mask = labels != -100
         denominator = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
-        if self.recipe.train.fused_lm_head:
+        if self.recipe.train.chunked_loss:
+            outputs = model(**inputs, use_cache=False, chunked_loss=True)
+            loss, correct = outputs["loss"] / denominator, outputs["correct"]
+            outputs = {"loss": loss}
+        elif self.recipe.train.fused_lm_head:
             # TRL's chunked LM head: per-token log-probs, never the [batch, length, vocab] logits.
             outputs = model(**inputs, use_cache=False, fused_lm_head=True)
             loss = -outputs.log_probs.sum() / denominator

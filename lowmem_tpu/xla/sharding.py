@@ -8,6 +8,7 @@ and the whole model in one more wrapper that shards the output along the batch.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -95,19 +96,23 @@ def wrap_model(model: nn.Module, cfg: ShardingSection, runtime: Runtime) -> nn.M
     from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel as FSDPv2
 
     layer = layer_class(model, cfg.layer_class)
+    every = cfg.checkpoint_every
     if cfg.scan_layers:
         from lowmem_tpu.xla.scan import scan_decoder
 
-        scan_decoder(model, layer, cfg.activation_checkpointing)
+        scan_decoder(model, layer, every == 1)
         return FSDPv2(model, mesh=runtime.mesh, shard_output=shard_output)
     policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={layer})
+    wrapped = itertools.count()  # the auto-wrap policy reaches the decoder layers in order
 
     def wrap_layer(module: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
-        if cfg.activation_checkpointing:
+        if every and next(wrapped) % every == 0:
             module = checkpoint_module(module)
+            if cfg.offload_activations:
+                module = offload_saved_inputs(module, runtime)
         return FSDPv2(module, *args, **kwargs)
 
-    if cfg.activation_checkpointing and hasattr(model, "enable_input_require_grads"):
+    if every and hasattr(model, "enable_input_require_grads"):
         # torch_xla skips checkpointing a layer whose inputs need no grad: with a frozen
         # embedding (LoRA) that would be the first layer. Make the embedding output need grad.
         model.enable_input_require_grads()
@@ -118,3 +123,41 @@ def wrap_model(model: nn.Module, cfg: ShardingSection, runtime: Runtime) -> nn.M
         auto_wrap_policy=policy,
         auto_wrapper_callable=wrap_layer,
     )
+
+
+def offload_saved_inputs(module: nn.Module, runtime: Runtime) -> nn.Module:
+    """``sharding.offload_activations`` (TPU): what a checkpointed layer saves for its backward (its
+    inputs) goes to host memory and comes back when the backward pass reaches the layer.
+
+    torch_xla 2.9's ``experimental/stablehlo_custom_call.place_to_host``/``place_to_device``
+    annotate a buffer's placement (``_xla_buffer_placement: pinned_host``); torch_xla's checkpoint
+    saves the layer inputs with ``ctx.save_for_backward``, which ``saved_tensors_hooks`` intercept.
+    Under SPMD the side-effecting custom call needs a sharding (the partitioner refuses one
+    without: "Side-effect HLO must have sharding"): the batch's. The CPU backend
+    cannot compile the annotation at all (measured: "Side-effect ops cannot be replicated"), so
+    the recipe refuses this off a TPU; torch_xla's docs pair host offload with ``scan``, which
+    keeps XLA from reordering the copies: this per-layer form is not yet measured on a TPU.
+    """
+    import torch_xla.distributed.spmd as xs
+    from torch_xla.experimental.stablehlo_custom_call import place_to_device, place_to_host
+
+    def moved(placement: Any) -> Any:
+        def move(tensor: torch.Tensor) -> torch.Tensor:
+            # Batch-major activations only (hidden states, rotary tables): split over the batch as the
+            # step splits them. A replicated copy is refused ("Side-effect ops cannot be replicated").
+            if tensor.device.type != "xla" or tensor.dim() < 2 or tensor.shape[0] % runtime.num_devices:
+                return tensor
+            out = placement(tensor)
+            xs.mark_sharding(out, runtime.mesh, ("fsdp", *([None] * (tensor.dim() - 1))))
+            return out
+
+        return move
+
+    forward = module.forward
+
+    def offloaded(*args: Any, **kwargs: Any) -> Any:
+        with torch.autograd.graph.saved_tensors_hooks(moved(place_to_host), moved(place_to_device)):
+            return forward(*args, **kwargs)
+
+    module.forward = offloaded
+    return module
