@@ -268,6 +268,18 @@ def test_memory_command_prints_both_modes_without_heavy_imports():
     assert not loaded & set(HEAVY)
 
 
+def test_memory_measure_compiles_the_real_step_beside_the_plan():
+    done = cli(
+        "memory", "recipes/tiny_lora_cpu.yaml", "sharding.activation_checkpointing=every_2", "--measure", "--json"
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    measured = json.loads(done.stdout)["measured_peak"]
+    assert measured["platform"] == "CPU" and measured["devices"] == 4 and measured["layout"] == "cpu"
+    assert measured["measured_peak_bytes"] > measured["measured"]["state"]["weights"] > 0
+    assert abs(measured["planner_error"]) < 0.15, measured
+    assert "compiling the real training step on 4 CPU devices" in done.stderr
+
+
 def test_memory_json_and_the_suggestion_chain():
     done = cli(
         "memory",

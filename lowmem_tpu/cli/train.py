@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from lowmem_tpu.cli.common import OverridesArg, RecipeArg, app, fail, load_args
+from lowmem_tpu.config import Recipe
 from lowmem_tpu.errors import NonFiniteError, UserError
 
 
@@ -81,6 +82,14 @@ def memory(
         ),
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the plans as JSON (bytes).")] = False,
+    measure: Annotated[
+        bool,
+        typer.Option(
+            "--measure",
+            help="Also compile the recipe's real training step and read the compiler's per-device peak "
+            "(the TPU compiler on a TPU; else the CPU compiler on runtime.num_cpu_devices devices).",
+        ),
+    ] = False,
 ) -> None:
     """Plan per-device memory of the recipe and its twin (LoRA <-> full); say what to turn on if it does not fit."""
     try:
@@ -92,14 +101,28 @@ def memory(
         if device == "cpu":
             loaded = load_args(recipe, overrides)
         report = plan_recipe(loaded, device)
+        measured = _measure(load_args(recipe, overrides)) if measure else None
     except UserError as err:
         fail(err)
     if as_json:
         import json
 
-        typer.echo(json.dumps(report_json(report), indent=2))
-    else:
-        typer.echo(format_report(report))
+        typer.echo(json.dumps(report_json(report) | ({"measured_peak": measured} if measured else {}), indent=2))
+        return
+    typer.echo(format_report(report))
+    if measured:
+        from lowmem_tpu.memory.compare import format_measurement
+
+        typer.echo("\n" + format_measurement(measured))
+
+
+def _measure(recipe: Recipe) -> dict:
+    from lowmem_tpu.config.platform import on_tpu
+    from lowmem_tpu.memory.compare import measure_beside_plan
+
+    where = "the TPU" if on_tpu(recipe.runtime.device) else f"{recipe.runtime.num_cpu_devices} CPU devices"
+    typer.echo(f"compiling the real training step on {where} (minutes for a large model)...", err=True)
+    return measure_beside_plan(recipe)
 
 
 @app.command()

@@ -26,7 +26,7 @@ SEGMENTS = ("weights", "optimizer", "gradients", "step temporaries")
 COLORS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52")
 
 
-def _measured(recipe: Recipe, steps: int) -> dict[str, Any]:
+def _measured(recipe: Recipe, steps: int, run: bool = True) -> dict[str, Any]:
     """One mode measured: its per-device segments, peak, and where the figures came from.
 
     On a TPU the TPU compiler's figure for the step comes first (a step it refuses is the result
@@ -54,7 +54,7 @@ def _measured(recipe: Recipe, steps: int) -> dict[str, Any]:
     )
     if step.missing:
         source = f"{platform} compiler: {step.missing}"
-    if tpu and step.out_of_memory is None:
+    if tpu and run and step.out_of_memory is None:
         run = measure.run_steps(recipe, steps)
         out |= {"tokens_per_second": run.tokens_per_second, "runtime_peak": run.peak_bytes, "kind": run.device_kind}
         out |= {"per_device": run.per_device, "runtime_error": run.memory_error}
@@ -73,6 +73,43 @@ def _measured(recipe: Recipe, steps: int) -> dict[str, Any]:
         values = (state.weights, state.optimizer, state.gradients, temporaries)
         segments = dict(zip(SEGMENTS, values, strict=True))
     return out | {"peak": peak, "segments": segments, "state": asdict(state), "source": source}
+
+
+def measure_beside_plan(recipe: Recipe) -> dict[str, Any]:
+    """``lowmem-tpu memory --measure``: the compiler's per-device peak of the recipe's real step (the
+    TPU compiler on a TPU, else the CPU compiler on ``runtime.num_cpu_devices`` devices), beside the
+    plan for the same devices and layout, and the planner's error against it."""
+    measured = _measured(recipe, steps=0, run=False)
+    layout = "tpu" if on_tpu(recipe.runtime.device) else "cpu"
+    setting = setting_of(recipe, measured["devices"])
+    plan = plan_setting(shape_of(require_config(recipe)), setting, layout, measured["capacity"])
+    peak = measured["peak"]
+    return {
+        "platform": "TPU" if layout == "tpu" else "CPU",
+        "devices": measured["devices"],
+        "layout": layout,
+        "measured_peak_bytes": peak,
+        "planned_peak_bytes": plan.peak,
+        "planner_error": plan.peak / peak - 1 if peak else None,
+        "fits": measured["fits"],
+        "source": measured["source"],
+        "compile_seconds": measured["compile_seconds"],
+        "measured": measured,
+    }
+
+
+def format_measurement(m: dict[str, Any]) -> str:
+    """The ``--measure`` lines of ``lowmem-tpu memory``."""
+    where = f"{m['platform']} compiler, {m['devices']} device{'s' if m['devices'] > 1 else ''}"
+    if m["measured_peak_bytes"] is None:
+        why = m["measured"].get("does_not_fit", {}).get("text") or m["source"]
+        return f"measured ({where}): no figure: {why}"
+    error = f"{100 * m['planner_error']:+.1f}%"
+    return (
+        f"measured ({where}, the real step compiled in {m['compile_seconds']} s): "
+        f"{size(m['measured_peak_bytes'])} per device; planned for the same ({m['layout']} layout): "
+        f"{size(m['planned_peak_bytes'])} ({error})"
+    )
 
 
 def _planned(plan: Plan) -> dict[str, Any]:
