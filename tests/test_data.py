@@ -45,7 +45,8 @@ def real_text(tokenizer, row: dict) -> str:
 
 
 def check_static(dataset, cfg: DataSection) -> None:
-    assert dataset.column_names == ["input_ids", "attention_mask", "labels"]
+    packed = ["position_ids", "segment_ids"] if cfg.packing else []
+    assert dataset.column_names == ["input_ids", "attention_mask", "labels", *packed]
     for row in dataset:
         assert {len(row[key]) for key in dataset.column_names} == {cfg.max_length}
         mask = row["attention_mask"]
@@ -204,22 +205,27 @@ def test_truncation_that_cuts_off_the_answer_drops_the_row(tok, tmp_path):
     assert trained_text(tok, dataset[0]) == "b</s>"
 
 
-def test_packing_fills_rows_and_loses_no_token(tok, tmp_path):
+def test_packing_keeps_whole_samples_apart_and_loses_no_token(tok, tmp_path):
     path = write_jsonl(tmp_path / "c.jsonl", [chat(f"reverse {w}", w[::-1]) for w in ["abc", "de", "fghij", "k"]])
-    cfg = DataSection(path=str(path), max_length=24)
+    cfg = DataSection(path=str(path), max_length=48)
     padded, padded_stats = build_dataset(cfg, tok)
-    packed, stats = build_dataset(cfg.model_copy(update={"packing": True}), tok)
+    cfg = cfg.model_copy(update={"packing": True})
+    packed, stats = build_dataset(cfg, tok)
     check_static(packed, cfg)
-    total = padded_stats["tokens"]
-    assert stats["rows"] == -(-total // 24) < padded_stats["rows"]
-    assert stats["tokens"] == total and stats["trained_tokens"] == padded_stats["trained_tokens"]
-    assert all(sum(row["attention_mask"]) == 24 for row in packed.select(range(len(packed) - 1)))
-
-    def real(dataset, key):
-        return [v for row in dataset for v, m in zip(row[key], row["attention_mask"], strict=True) if m]
-
-    assert real(packed, "input_ids") == real(padded, "input_ids")
-    assert real(packed, "labels") == real(padded, "labels")
+    assert stats["tokens"] == padded_stats["tokens"] and stats["trained_tokens"] == padded_stats["trained_tokens"]
+    assert stats["rows"] < padded_stats["rows"]
+    samples = [[v for v, m in zip(row["input_ids"], row["attention_mask"], strict=True) if m] for row in padded]
+    found = []
+    for row in packed:
+        segments = row["segment_ids"]
+        for segment in sorted(set(segments) - {0}):
+            where = [i for i, s in enumerate(segments) if s == segment]
+            assert where == list(range(where[0], where[-1] + 1))  # contiguous
+            assert [row["position_ids"][i] for i in where] == list(range(len(where)))  # positions restart
+            assert row["labels"][where[0]] == -100  # never the target of the previous sample's last token
+            found.append([row["input_ids"][i] for i in where])
+        assert all(m == (s != 0) for m, s in zip(row["attention_mask"], segments, strict=True))
+    assert found == samples  # every sample whole, in order
 
 
 def test_max_samples(tok):

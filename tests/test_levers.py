@@ -231,3 +231,47 @@ def test_offloaded_checkpointing_trains_like_plain_checkpointing_on_a_tpu(tmp_pa
     a, b = (r.metrics["train"]["losses"] for r in (plain, offloaded))
     assert len(a) == len(b) == 3
     assert all(x["loss"] == pytest.approx(y["loss"], rel=1e-3) for x, y in zip(a, b, strict=True))
+
+
+# ----------------------------------------------------------------------------- packing
+
+
+def _per_sample_losses(model, inputs, device, segments=None):
+    """Summed next-token loss per sample: per row (unpacked) or per segment of each row (packed)."""
+    out = model(**{k: v.to(device) for k, v in inputs.items() if k != "labels"})
+    logits, labels = out.logits[:, :-1].float().cpu(), inputs["labels"][:, 1:]
+    terms = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100, reduction="none"
+    ).view(labels.shape)
+    if segments is None:
+        return [row.sum().item() for row in terms]
+    owner = segments[:, 1:]  # each term belongs to its target's sample
+    return [terms[b][owner[b] == s].sum().item() for b in range(len(terms)) for s in owner[b].unique() if s != 0]
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa", "chunked"])
+def test_a_packed_batch_gives_the_per_sample_losses_of_the_samples_unpacked(impl, monkeypatch):
+    import numpy as np
+
+    from lowmem_tpu.data.rows import _pack, _pad
+    from lowmem_tpu.model.attention import packed_inputs
+
+    _touch_xla()
+    monkeypatch.setattr(attention, "BLOCK", 8)
+    rng = np.random.default_rng(0)
+    samples = []
+    for length in (9, 5, 14, 3, 11, 7):
+        ids = rng.integers(0, 50, length)
+        labels = ids.copy()
+        labels[: length // 3] = -100  # a masked prompt
+        samples.append((ids, labels))
+    model = _tiny(impl).eval()
+    tensors = {k: torch.as_tensor(v, dtype=torch.long) for k, v in _pad(samples, 16, 0).items()}
+    unpacked = _per_sample_losses(model, tensors, "cpu")
+    rows = {k: torch.as_tensor(v, dtype=torch.long) for k, v in _pack(samples, 20, 0).items()}
+    assert len(rows["input_ids"]) < len(samples)  # really packed: several samples per row
+    inputs = packed_inputs(rows, impl, torch.float32)
+    packed = _per_sample_losses(model, inputs, "cpu", segments=rows["segment_ids"])
+    assert packed == pytest.approx(unpacked, rel=1e-5, abs=1e-5)
+    naive = {k: v for k, v in rows.items() if k not in ("segment_ids", "position_ids")}  # samples see each other
+    assert _per_sample_losses(model, naive, "cpu", segments=rows["segment_ids"]) != pytest.approx(unpacked, rel=1e-3)

@@ -17,7 +17,7 @@ def validate(recipe: RecipeArg = None, overrides: OverridesArg = None) -> None:
     """Check a recipe (schema, files, batch split, layer class) without loading any weights."""
     try:
         loaded = load_args(recipe, overrides)
-        from lowmem_tpu.config.schema import target_problem
+        from lowmem_tpu.config.checks import target_problem
         from lowmem_tpu.model import check_model
         from lowmem_tpu.xla.runtime import configure_environment
 

@@ -7,7 +7,8 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from lowmem_tpu.config.schema import DEFER_CROSS_CHECKS, Recipe, RecipeError, cross_problems
+from lowmem_tpu.config.checks import cross_problems
+from lowmem_tpu.config.schema import DEFER_CROSS_CHECKS, Recipe, RecipeError
 
 
 def _section_fields(keys: tuple[str, ...]) -> list[str]:

@@ -13,10 +13,9 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from lowmem_tpu.config.assets import BUILTIN, builtin_has_weights, chat_template_names, check_source, looks_local
-from lowmem_tpu.config.devices import DEVICES, TARGETS
-from lowmem_tpu.config.platform import on_tpu
-from lowmem_tpu.config.rules import batch_split_problem, parse_duration
+from lowmem_tpu.config.assets import chat_template_names, check_source
+from lowmem_tpu.config.devices import TARGETS
+from lowmem_tpu.config.rules import parse_duration
 from lowmem_tpu.errors import UserError
 
 # The projections of a Llama-family decoder layer: LoRA's default targets and what the planner knows.
@@ -135,7 +134,11 @@ class DataSection(Section):
     max_length: int = Field(
         512, gt=1, le=131072, description="Every batch is padded/packed to this length: activations scale with it."
     )
-    packing: bool = Field(False, description="Concatenate samples into full max_length rows (no padding waste).")
+    packing: bool = Field(
+        False,
+        description="Several whole samples per max_length row (less padding compute); each sample attends "
+        "only to itself (segment ids, positions restart), so the per-sample losses are the unpacked ones.",
+    )
     max_samples: int | None = Field(None, gt=0, description="Use at most this many training samples.")
     too_long: Literal["truncate", "drop", "error"] = Field(
         "truncate", description="What to do with samples longer than max_length."
@@ -329,6 +332,8 @@ class Recipe(Section):
     def _cross_checks(self, info: ValidationInfo) -> Recipe:
         # validate_recipe defers these so it can drop the ones a bad field would make spurious.
         if not (info.context or {}).get(DEFER_CROSS_CHECKS):
+            from lowmem_tpu.config.checks import cross_problems
+
             problems = [message for _, message in cross_problems(self)]
             if problems:
                 raise ValueError("\n".join(problems))
@@ -341,118 +346,3 @@ class Recipe(Section):
 
 
 DEFER_CROSS_CHECKS = "lowmem_tpu.defer_cross_checks"
-
-
-def cross_problems(recipe: Recipe) -> list[tuple[tuple[str, ...], str]]:
-    """Problems that involve several fields, each as (the dotted fields involved, message)."""
-    problems: list[tuple[tuple[str, ...], str]] = []
-    t, model, data = recipe.train, recipe.model, recipe.data
-    batch = ("train.global_batch_size", "train.gradient_accumulation_steps")
-    if t.global_batch_size % t.gradient_accumulation_steps:
-        message = f"{t.global_batch_size} is not divisible by train.gradient_accumulation_steps"
-        problems.append((batch, f"train.global_batch_size: {message} ({t.gradient_accumulation_steps})"))
-    # On a TPU the device count is only known once torch_xla starts; the runtime checks it there.
-    if not on_tpu(recipe.runtime.device):
-        problem = batch_split_problem(
-            t.global_batch_size, t.gradient_accumulation_steps, recipe.runtime.num_cpu_devices
-        )
-        if problem:
-            problems.append(((*batch, "runtime.num_cpu_devices", "runtime.device"), problem))
-    if model.name_or_path.startswith(BUILTIN) and not model.random_init and not builtin_has_weights(model.name_or_path):
-        message = f"must be true for {model.name_or_path}, which ships a config and tokenizer but no weights"
-        if "name_or_path" not in model.model_fields_set:
-            message += " (it is the default model: set model.name_or_path to a Hub id or directory to use another)"
-        problems.append((("model.name_or_path", "model.random_init"), f"model.random_init: {message}"))
-    if model.quantize != "none" and not recipe.lora.enabled:
-        message = (
-            f"model.quantize: {model.quantize} freezes the base in {model.quantize}, but lora.enabled is false "
-            "(full fine-tuning trains every base weight, which needs them in full precision); "
-            "set lora.enabled: true to train LoRA adapters on the quantized base (QLoRA), or model.quantize: none"
-        )
-        problems.append((("model.quantize", "lora.enabled"), message))
-    if model.quantize != "none" and recipe.sharding.scan_layers:
-        message = (
-            f"model.quantize: a {model.quantize} base is not supported with sharding.scan_layers yet "
-            "(the scanned layer is traced functionally, the quantized projections are not); "
-            "set sharding.scan_layers: false or model.quantize: none"
-        )
-        problems.append((("model.quantize", "sharding.scan_layers"), message))
-    if model.attn_implementation == "flash" and not on_tpu(recipe.runtime.device):
-        message = (
-            "model.attn_implementation: flash is torch_xla's Pallas TPU kernel, which the CPU backend cannot run "
-            '("Only interpret mode is supported on CPU backend"); use chunked (the same memory saving, any backend)'
-        )
-        problems.append((("model.attn_implementation", "runtime.device"), message))
-    if t.chunked_loss and t.fused_lm_head:
-        message = "train.chunked_loss: true and train.fused_lm_head: true are two ways to skip the logits; pick one"
-        problems.append((("train.chunked_loss", "train.fused_lm_head"), message))
-    problems += _sharding_problems(recipe.sharding, recipe.runtime)
-    if recipe.hub.push and not recipe.hub.repo_id:
-        problems.append((("hub.push", "hub.repo_id"), "hub.repo_id: required when hub.push is true (OWNER/NAME)"))
-    held_out = data.eval_path or data.eval_fraction
-    if t.eval_samples and not held_out:
-        message = "train.eval_samples: needs data.eval_path or data.eval_fraction (held-out prompts to score)"
-        problems.append((("train.eval_samples", "data.eval_path", "data.eval_fraction"), message))
-    if t.eval_steps and not held_out:
-        message = "train.eval_steps: needs data.eval_path or data.eval_fraction (without one nothing is evaluated)"
-        problems.append((("train.eval_steps", "data.eval_path", "data.eval_fraction"), message))
-    problems += _data_problems(data)
-    return problems
-
-
-def target_problem(recipe: Recipe) -> str | None:
-    """Why the batch cannot split over the devices of the recipe's ``runtime.target`` TPU (None: it can).
-
-    Checked by ``validate`` and ``memory``, not at load: a run uses the devices it finds.
-    """
-    target = DEVICES.get(recipe.runtime.target or "")
-    if target is None:
-        return None
-    t = recipe.train
-    problem = batch_split_problem(t.global_batch_size, t.gradient_accumulation_steps, target.devices)
-    return f"{problem} (runtime.target: {target.name}, {target.devices} devices)" if problem else None
-
-
-def _sharding_problems(sharding: ShardingSection, runtime: RuntimeSection) -> list[tuple[tuple[str, ...], str]]:
-    problems: list[tuple[tuple[str, ...], str]] = []
-    if sharding.checkpoint_every > 1 and sharding.scan_layers:
-        message = (
-            f"sharding.activation_checkpointing: {sharding.activation_checkpointing} checkpoints some layers, but "
-            "sharding.scan_layers runs one compiled layer for all of them; use true or false with scan_layers"
-        )
-        problems.append((("sharding.activation_checkpointing", "sharding.scan_layers"), message))
-    if not sharding.offload_activations:
-        return problems
-    if not on_tpu(runtime.device):
-        message = (
-            "sharding.offload_activations: host offload needs the TPU compiler; the CPU backend cannot compile it "
-            '(under SPMD: "Side-effect ops cannot be replicated" for the annotate_device_placement custom call); '
-            "use sharding.activation_checkpointing, model.attn_implementation: chunked or train.chunked_loss here"
-        )
-        problems.append((("sharding.offload_activations", "runtime.device"), message))
-    elif sharding.checkpoint_every != 1 or sharding.scan_layers:
-        message = (
-            "sharding.offload_activations: offloads the inputs that checkpointing keeps, so it needs "
-            "sharding.activation_checkpointing: true and sharding.scan_layers: false"
-        )
-        fields = ("sharding.offload_activations", "sharding.activation_checkpointing", "sharding.scan_layers")
-        problems.append((fields, message))
-    return problems
-
-
-def _data_problems(data: DataSection) -> list[tuple[tuple[str, ...], str]]:
-    problems: list[tuple[tuple[str, ...], str]] = []
-    if data.eval_path and data.eval_fraction:
-        message = "data.eval_fraction: held-out data is data.eval_path or a fraction of the training data, not both"
-        problems.append((("data.eval_path", "data.eval_fraction"), message))
-    if data.eval_path == data.path and (data.eval_split or data.split) == data.split:
-        message = (
-            f"data.eval_path: the same data and split as data.path ({data.split}): evaluation would score the "
-            "training records; set data.eval_split to a held-out split, or drop data.eval_path and set "
-            "data.eval_fraction"
-        )
-        problems.append((("data.eval_path", "data.eval_split", "data.path", "data.split"), message))
-    if data.subset and (data.path.startswith(BUILTIN) or looks_local(data.path)):
-        message = f"data.subset: {data.path} is a file; subsets (configurations) belong to Hub datasets"
-        problems.append((("data.subset", "data.path"), message))
-    return problems

@@ -2,8 +2,8 @@
 
 XLA compiles one graph per input shape, so every row this module returns has
 exactly ``data.max_length`` tokens: a ragged batch would recompile the step (minutes
-on a TPU) for every new length. Padding is wasted compute; ``data.packing`` trades
-it for cross-sample attention.
+on a TPU) for every new length. Padding is wasted compute; ``data.packing`` puts
+several samples in a row, each attending only to itself.
 
 Labels are not shifted (the model shifts them) and are ``-100`` wherever nothing
 should be learned: padding, and with ``data.mask_prompt`` the prompt. Padding is
@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     import torch
 
 COLUMNS = ("input_ids", "attention_mask", "labels")
+PACKED = ("position_ids", "segment_ids")  # the extra columns of packed rows
 
 
 # --------------------------------------------------------------------------- static shapes
@@ -59,8 +60,8 @@ def build_dataset(
     Every row has ``input_ids``, ``attention_mask`` and ``labels`` (int32; unshifted, -100 on padding
     and masked prompts), right-padded with the pad token. Samples longer than max_length follow
     ``cfg.too_long`` (with packing too: a split sample would lose its prompt); samples with no trained
-    token left are dropped. With ``cfg.packing`` the samples are concatenated and cut into full rows
-    (only the last is padded); this packing is naive: samples sharing a row can attend to each other.
+    token left are dropped. With ``cfg.packing`` whole samples share rows, kept apart by ``segment_ids``
+    and restarting ``position_ids`` (see ``_pack``).
     With ``cache_dir`` the rows are kept on disk, keyed by the records, the tokenizer and the settings,
     and read back instead of tokenizing again.
 
@@ -152,16 +153,38 @@ def _pad(samples: list[Sample], length: int, pad_id: int) -> dict[str, np.ndarra
 
 
 def _pack(samples: list[Sample], length: int, pad_id: int) -> dict[str, np.ndarray]:
-    """All samples end to end, cut into rows of ``length``; only the last row is padded."""
+    """Whole samples, in order, into rows of ``length`` (a sample that does not fit starts a new row).
+
+    Each sample keeps to itself: ``segment_ids`` numbers the samples of a row (1, 2, ...; 0 is
+    padding) for the attention mask, ``position_ids`` restart at 0 for each sample, and the
+    label of a sample's first token is -100 (it would be the target of the previous sample's last
+    token). The loss then sees exactly the terms of the samples trained one per row.
+    """
     import numpy as np
 
-    ids = np.concatenate([sample_ids for sample_ids, _ in samples])
-    labels = np.concatenate([sample_labels for _, sample_labels in samples])
-    rows = -(-len(ids) // length)
-    arrays = _empty(rows, length, pad_id)
-    arrays["input_ids"].reshape(-1)[: len(ids)] = ids
-    arrays["attention_mask"].reshape(-1)[: len(ids)] = 1
-    arrays["labels"].reshape(-1)[: len(ids)] = labels
+    rows: list[list[Sample]] = [[]]
+    used = 0
+    for sample in samples:
+        if used + len(sample[0]) > length:
+            rows.append([])
+            used = 0
+        rows[-1].append(sample)
+        used += len(sample[0])
+    arrays = _empty(len(rows), length, pad_id)
+    arrays["position_ids"] = np.zeros((len(rows), length), dtype=np.int32)
+    arrays["segment_ids"] = np.zeros((len(rows), length), dtype=np.int32)
+    for row, packed in enumerate(rows):
+        start = 0
+        for segment, (ids, labels) in enumerate(packed, start=1):
+            stop = start + len(ids)
+            arrays["input_ids"][row, start:stop] = ids
+            arrays["attention_mask"][row, start:stop] = 1
+            arrays["labels"][row, start:stop] = labels
+            arrays["labels"][row, start] = IGNORE_INDEX
+            arrays["position_ids"][row, start:stop] = np.arange(len(ids))
+            arrays["segment_ids"][row, start:stop] = segment
+            start = stop
+        arrays["position_ids"][row, start:] = np.arange(length - start)  # padding: a run of its own
     return arrays
 
 
@@ -176,9 +199,11 @@ def _empty(rows: int, length: int, pad_id: int) -> dict[str, np.ndarray]:
 
 
 def collate(rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-    """Stack rows of ``build_dataset`` into LongTensors ``[batch, max_length]``."""
+    """Stack rows of ``build_dataset`` into LongTensors ``[batch, max_length]`` (packed rows: with their
+    ``position_ids`` and ``segment_ids``)."""
     import torch
 
     if not rows:
         raise ValueError("collate needs at least one row")
-    return {key: torch.stack([torch.as_tensor(row[key], dtype=torch.long) for row in rows]) for key in COLUMNS}
+    keys = [*COLUMNS, *(key for key in PACKED if key in rows[0])]
+    return {key: torch.stack([torch.as_tensor(row[key], dtype=torch.long) for row in rows]) for key in keys}

@@ -8,8 +8,9 @@ each row's log-sum-exp; the backward pass recomputes each block's probabilities 
 compiles it on every backend (the CPU-tested path; ``flash`` is the TPU kernel).
 
 Causal masking and padding come from positions and the 2-D padding mask (transformers hands this
-implementation the [batch, length] mask as it does flash attention), so no mask of [length, length]
-is built either. Any head size works (Open Llama's is 100).
+implementation the [batch, length] mask as it does flash attention), or, for packed rows, the
+``segment_ids`` the trainer passes along: a key is visible only within its query's sample. No mask
+of [length, length] is built either. Any head size works (Open Llama's is 100).
 """
 
 from __future__ import annotations
@@ -23,12 +24,14 @@ NAME = "chunked"
 
 
 def _allowed(q_len: int, start: int, stop: int, k_len: int, padding: torch.Tensor | None, device: Any) -> torch.Tensor:
-    """[batch or 1, 1, q, block] bool: a key is visible when it is not in the future and not padding."""
+    """[batch or 1, 1, q, block] bool: a key is visible when it is not in the future, not padding, and
+    (``padding`` holding segment ids: packed rows) in the query's own sample."""
     q_pos = torch.arange(q_len, device=device) + (k_len - q_len)
     k_pos = torch.arange(start, stop, device=device)
     allowed = (k_pos[None, :] <= q_pos[:, None])[None, None]
     if padding is not None:
-        allowed = allowed & padding[:, None, None, start:stop].bool()
+        keys = padding[:, None, None, start:stop]
+        allowed = allowed & (keys != 0) & (padding[:, None, k_len - q_len :, None] == keys)
     return allowed
 
 
@@ -110,9 +113,40 @@ def chunked_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: [batch, heads, length, head] in, [batch, length, heads, head] out."""
     key, value, scale = heads_for_every_query(query, key, value, scaling)
-    padding = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
-    out = ChunkedAttention.apply(query, key, value, padding, scale, BLOCK)
+    segments = kwargs.get("segment_ids")
+    if segments is None and attention_mask is not None and attention_mask.dim() == 2:
+        segments = attention_mask.long()  # one sample per row: 1 on tokens, 0 on padding
+    out = ChunkedAttention.apply(query, key, value, segments, scale, BLOCK)
     return out.transpose(1, 2).contiguous(), None
+
+
+def padding_mask(*args: Any, attention_mask: torch.Tensor | None = None, kv_length: int = 0, **kwargs: Any) -> Any:
+    """The [batch, keys] mask as it came (transformers' flash variant asks ``mask.all()`` first: a host
+    sync per forward on XLA)."""
+    return None if attention_mask is None else attention_mask[:, -kv_length:]
+
+
+def packed_mask(segments: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[batch, 1, length, length] additive mask for eager/sdpa on packed rows: causal, within a sample.
+
+    A padding query (segment 0) sees nothing: its row is all the dtype's minimum (softmax stays finite).
+    """
+    length = segments.shape[1]
+    positions = torch.arange(length, device=segments.device)
+    causal = positions[None, :] <= positions[:, None]
+    same = (segments[:, :, None] == segments[:, None, :]) & (segments[:, None, :] != 0)
+    allowed = (causal[None] & same)[:, None]
+    return torch.zeros(allowed.shape, dtype=dtype, device=segments.device).masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+def packed_inputs(inputs: dict[str, Any], implementation: str, dtype: torch.dtype) -> dict[str, Any]:
+    """Model inputs of a packed batch: segment ids for chunked/flash, a [length, length] mask for eager/sdpa."""
+    if "segment_ids" not in inputs:
+        return inputs
+    if implementation in (NAME, "flash"):
+        return inputs
+    rest = {k: v for k, v in inputs.items() if k != "segment_ids"}
+    return rest | {"attention_mask": packed_mask(inputs["segment_ids"], dtype)}
 
 
 _flash_kernel: Any = None
@@ -135,7 +169,7 @@ def register(name: str) -> None:
     if name not in (NAME, "flash"):
         return
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(name, chunked_attention_forward if name == NAME else _flash)
-    AttentionMaskInterface.register(name, flash_attention_mask)
+    AttentionMaskInterface.register(name, padding_mask)

@@ -26,6 +26,8 @@ from lowmem_tpu.config.schema import uses_master_weights
 from lowmem_tpu.data import collate
 from lowmem_tpu.errors import NonFiniteError
 from lowmem_tpu.files import fresh_partial
+from lowmem_tpu.model import torch_dtype
+from lowmem_tpu.model.attention import packed_inputs
 from lowmem_tpu.model.loss import add_chunked_loss
 from lowmem_tpu.model.names import ParamNames
 from lowmem_tpu.train import checkpoint as ckpt
@@ -183,6 +185,8 @@ class XlaSFTTrainer(SFTTrainer):
         self, model: torch.nn.Module, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch=None
     ):
         mode = "train" if model.training else "eval"
+        tokens = inputs["attention_mask"].sum()
+        inputs = packed_inputs(inputs, self.recipe.model.attn_implementation, torch_dtype(self.recipe.model.dtype))
         labels = inputs["labels"][:, 1:]
         mask = labels != -100
         denominator = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
@@ -200,7 +204,7 @@ class XlaSFTTrainer(SFTTrainer):
             loss = outputs.loss
             predicted = outputs.logits[:, :-1].argmax(-1)
             correct = ((predicted == labels) & mask).sum()
-        self._accumulate(mode, tokens=inputs["attention_mask"].sum(), label_tokens=mask.sum(), correct=correct)
+        self._accumulate(mode, tokens=tokens, label_tokens=mask.sum(), correct=correct)
         return (loss, outputs) if return_outputs else loss
 
     def _accumulate(self, mode: str, **values: torch.Tensor) -> None:

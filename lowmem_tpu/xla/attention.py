@@ -3,11 +3,14 @@
 Written against torch_xla 2.9's ``experimental/custom_kernel.py``: ``flash_attention(q, k, v,
 causal, q_segment_ids, kv_segment_ids, sm_scale, partition_spec=, mesh=)`` on [batch, heads,
 length, head] tensors, with the SPMD partition spec splitting the batch over the ``fsdp`` axis.
-Its segment ids are not supported under SPMD (the kernel's own TODO), so padding is not passed:
-rows are right-padded and the mask is causal, so no real token ever sees a padding key (padding
-queries produce values the loss masks out). Left padding (generation) is not supported: generation
-uses sdpa. A head size that is not a multiple of 128 lanes (Open Llama's is 100) is zero-padded to
-the next multiple and sliced back (q.k and the output are unchanged), at that compute cost.
+Packed rows pass their ``segment_ids`` as the kernel's q/kv segment ids (float32, split over
+the batch like q, as pytorch/xla's test/test_pallas_spmd.py does in
+test_flash_attention_spmd_data_parallel_with_segment_ids), so a token sees only its own sample.
+Unpacked rows pass none: they are right-padded and the mask is causal, so no real token ever sees
+a padding key (padding queries produce values the loss masks out). Left padding (generation) is
+not supported: generation uses sdpa. A head size that is not a multiple of 128 lanes (Open
+Llama's is 100) is zero-padded to the next multiple and sliced back (q.k and the output are
+unchanged), at that compute cost.
 On the CPU backend the kernel cannot run ("Only interpret mode is supported on CPU backend"):
 the recipe refuses ``flash`` there and names ``chunked``.
 """
@@ -41,11 +44,15 @@ def flash_attention_forward(
     pad = -head % LANES
     if pad:
         query, key, value = (torch.nn.functional.pad(t, (0, pad)) for t in (query, key, value))
+    segments = kwargs.get("segment_ids")
+    segments = None if segments is None else segments.to(torch.float32)
     out = flash_attention(
         query,
         key,
         value,
         causal=True,
+        q_segment_ids=segments,
+        kv_segment_ids=segments,
         sm_scale=scale,
         partition_spec=("fsdp", None, None, None),
         mesh=xs.get_global_mesh(),
