@@ -1,8 +1,9 @@
 """Each memory lever, planned beside the CPU compiler's figure for the real step (tiny Llama, fp32).
 
-    python scripts/memory_levers.py [--devices 4] [--length 128] [--json levers.json]
+    python scripts/memory_levers.py [--model tiny|mini] [--devices 4] [--length 512] [--batch 64] [--json F]
 
-For every point the recipe is the embedded tiny one at ``--length`` tokens, 64 sequences per step,
+For every point the recipe is the embedded tiny one (or ``--model mini``: Open Llama's proportions,
+4 layers) at ``--length`` tokens, ``--batch`` sequences per step,
 with the lever's overrides; the step is compiled (not run) on ``--devices`` CPU devices with the
 memory-minimizing scheduler, and the largest program's per-device bytes are read (with
 accumulation: the largest micro-batch program). Prints a Markdown table: planned (CPU layout),
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,20 +26,42 @@ from lowmem_tpu.memory.measure import compile_step  # noqa: E402
 from lowmem_tpu.memory.plan import plan_setting  # noqa: E402
 from lowmem_tpu.memory.shape import require_config, setting_of, shape_of  # noqa: E402
 
+OFF = "sharding.activation_checkpointing=false"
+CHUNKED = ["model.attn_implementation=chunked"]
 POINTS = {  # name -> overrides
     "plain (checkpointing on)": [],
-    "checkpointing off": ["sharding.activation_checkpointing=false"],
+    "checkpointing off": [OFF],
+    "checkpointing one layer in two": ["sharding.activation_checkpointing=every_2"],
     "accumulation 2": ["train.gradient_accumulation_steps=2"],
     "accumulation 4": ["train.gradient_accumulation_steps=4"],
-    "chunked attention": ["model.attn_implementation=chunked"],
-    "chunked attention, checkpointing off": [
-        "model.attn_implementation=chunked",
-        "sharding.activation_checkpointing=false",
-    ],
-    "accumulation 4, checkpointing off": [
+    "chunked loss": ["train.chunked_loss=true"],
+    "chunked attention": CHUNKED,
+    "chunked attention, checkpointing off": [*CHUNKED, OFF],
+    "packing (segment mask, eager)": ["data.packing=true"],
+    "chunked attention and loss": [*CHUNKED, "train.chunked_loss=true"],
+    "all: accumulation 4, chunked attention and loss": [
+        *CHUNKED,
+        "train.chunked_loss=true",
         "train.gradient_accumulation_steps=4",
-        "sharding.activation_checkpointing=false",
     ],
+}
+
+# --model mini: Open Llama 3B's proportions (head size 100, intermediate 2.7 x hidden, vocabulary
+# 32000) at 4 layers of hidden 400, so the loss's [tokens, vocab] buffers weigh as they do there.
+MINI = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 400,
+    "intermediate_size": 1080,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "max_position_embeddings": 2048,
+    "vocab_size": 32000,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
 }
 
 
@@ -46,9 +70,16 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=4)
     parser.add_argument("--length", type=int, default=512)
     parser.add_argument("--only", nargs="*", help="point names to run (default: all)")
+    parser.add_argument("--model", choices=("tiny", "mini"), default="tiny")
+    parser.add_argument("--batch", type=int, default=64, help="sequences per step (all devices)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    base = [f"data.max_length={args.length}", "train.global_batch_size=64", f"runtime.num_cpu_devices={args.devices}"]
+    base = [f"data.max_length={args.length}", f"train.global_batch_size={args.batch}"]
+    base += [f"runtime.num_cpu_devices={args.devices}"]
+    if args.model == "mini":
+        directory = Path(tempfile.mkdtemp(prefix="lowmem-mini-"))
+        (directory / "config.json").write_text(json.dumps(MINI))
+        base += [f"model.name_or_path={directory}"]
     rows = []
     print("| lever | micro-batch / device | planned (CPU layout) | CPU compiler | error | planned (TPU layout) |")
     print("|---|---|---|---|---|---|")

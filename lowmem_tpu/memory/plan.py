@@ -133,13 +133,19 @@ def layer_activations(s: Shape, st: Setting) -> int:
 ATTENTION_BLOCK = 128
 
 
+def score_buffer(s: Shape, st: Setting) -> int:
+    """One fp32 buffer of attention scores per device: [sequences, heads, length, length] for
+    eager/sdpa, one block of keys wide for chunked/flash."""
+    keys = min(ATTENTION_BLOCK, st.length) if st.attention in ("chunked", "flash") else st.length
+    return st.live_sequences * s.heads * st.length * keys * 4
+
+
 def attention_scores(s: Shape, st: Setting) -> int:
     """The softmax's buffers per layer: eager/sdpa keep [sequences, heads, length, length] fp32 scores;
     chunked/flash one block of keys at a time (scores and probabilities, fp32) plus an fp32 output."""
     if st.attention in ("chunked", "flash"):
-        block = min(ATTENTION_BLOCK, st.length)
-        return 2 * st.live_sequences * s.heads * st.length * block * 4 + st.tokens * s.hidden * 4
-    return st.live_sequences * s.heads * st.length * st.length * 4
+        return 2 * score_buffer(s, st) + st.tokens * s.hidden * 4
+    return score_buffer(s, st)
 
 
 def checkpointed_layers(s: Shape, st: Setting) -> int:
@@ -151,28 +157,47 @@ def activations(s: Shape, st: Setting, layout: str, checkpointing: bool | None =
     """Activation bytes per device at the start of the backward pass.
 
     A layer that is not checkpointed keeps all its activations. A checkpointed one keeps only its
-    input (plus the residual stream once), and one layer at a time is recomputed; with
+    input (plus the residual stream once), and one layer at a time is recomputed (when the backward
+    pass reaches it, the later layers' activations are gone); with
     ``offload`` (TPU) those inputs wait in host memory, two in flight on the device. The CPU
     compiler on one device was seen keeping each layer's attention (q, k, v and the softmax
     numerator) from the forward pass anyway (XLA:CPU drops the optimization barriers that keep
     recomputation in place): that is modelled in the CPU layout only, never in a TPU plan.
     """
     on = st.checkpointing if checkpointing is None else checkpointing
-    if not on or cpu_drops_checkpointing(st, layout):
+    if not on:
         return s.layers * layer_activations(s, st)
+    if cpu_drops_checkpointing(st, layout):  # every layer's per-token activations, one layer's scores
+        return s.layers * (layer_activations(s, st) - attention_scores(s, st)) + attention_scores(s, st)
     st = replace(st, checkpointing=True)
     e, recomputed = DTYPE_BYTES[st.dtype], checkpointed_layers(s, st)
     inputs = 2 if st.offload and layout == "tpu" else recomputed
-    kept = (inputs + 1) * st.tokens * s.hidden * e + (s.layers - recomputed + 1) * layer_activations(s, st)
+    # The backward pass frees each layer's activations as it passes: one recomputed layer at a time,
+    # or the layers that keep theirs (the last layer's backward runs first).
+    kept = (inputs + 1) * st.tokens * s.hidden * e + max(s.layers - recomputed, 1) * layer_activations(s, st)
     if layout == "cpu" and st.devices == 1:
         kept += recomputed * (3 * st.tokens * s.hidden * e + attention_scores(s, st))
     return kept
 
 
+def kept_for_backward(s: Shape, st: Setting) -> int:
+    """What the forward pass leaves for the backward pass as the loss's backward runs: every layer's
+    activations without checkpointing, else the checkpointed layers' inputs (in host memory with
+    ``offload``) and the other layers' activations; no layer is being recomputed yet."""
+    if not st.checkpointing:
+        return s.layers * layer_activations(s, st)
+    recomputed = checkpointed_layers(s, st)
+    inputs = 0 if st.offload else recomputed
+    return (inputs + 1) * st.tokens * s.hidden * DTYPE_BYTES[st.dtype] + (s.layers - recomputed) * layer_activations(
+        s, st
+    )
+
+
 def cpu_drops_checkpointing(st: Setting, layout: str) -> bool:
     """With accumulation each micro-batch's program ends at its gradients, and XLA:CPU, which drops
-    optimization barriers, then merges the recomputed forward pass with the first one: checkpointing
-    keeps nothing off (measured, tiny Llama, 4 CPU devices, 4 micro-batches of 16 x 128 tokens:
+    optimization barriers, then merges the recomputed forward pass with the first one: every layer
+    keeps its per-token activations, the attention scores only the layer in hand (measured, tiny
+    Llama, 4 CPU devices, 4 micro-batches of 16 x 128 tokens:
     30.7 MiB with checkpointing, 32.8 without; one program of 64 sequences: 43.5 with, 127 without).
     A TPU keeps the barriers: this is a CPU-layout effect only."""
     return layout == "cpu" and st.accumulation > 1 and st.checkpointing
@@ -193,8 +218,17 @@ def dropout_masks(s: Shape, st: Setting) -> int:
 
 
 def backward_workspace(s: Shape, st: Setting) -> int:
-    """Gradient buffers of one layer's backward pass: two intermediate-sized, four hidden-sized per token."""
-    return st.tokens * (2 * s.intermediate + 4 * s.hidden) * DTYPE_BYTES[st.dtype]
+    """Gradient buffers of one layer's backward pass, the larger of its two halves: the MLP's (two
+    intermediate-sized, four hidden-sized per token) and attention's (the softmax's and the scores'
+    gradients beside the kept probabilities: two more score buffers, four hidden-sized per token,
+    and chunked attention's fp32 key and value gradients; measured on the CPU compiler, tiny Llama
+    at 512 tokens: three [sequences, heads, 512, 512] fp32 buffers live at the peak)."""
+    e = DTYPE_BYTES[st.dtype]
+    mlp = st.tokens * (2 * s.intermediate + 4 * s.hidden) * e
+    attention = 2 * score_buffer(s, st) + 4 * st.tokens * s.hidden * e
+    if st.attention in ("chunked", "flash"):
+        attention += 2 * st.tokens * s.hidden * 4
+    return max(mlp, attention)
 
 
 # How many projections' dequantized weights (the largest projection's size, whole, in the compute
@@ -289,7 +323,7 @@ def margin_for(peak: int) -> int:
 def plan_setting(s: Shape, st: Setting, layout: str, capacity: int) -> Plan:
     """Plan one setting: persistent state from the shard rule, the rest from the activation model.
 
-    peak = weights + optimizer + max(activations + logits + workspace + dequantized, gradient phase)
+    peak = weights + optimizer + max(max(loss phase, layer phase) + dequantized, gradient phase)
     """
     params = parameters(s, st)
     trainable = [p for p in params if p.trainable]
@@ -309,10 +343,12 @@ def plan_setting(s: Shape, st: Setting, layout: str, capacity: int) -> Plan:
     if not st.lora:
         gradient_phase += layer_activations(s, st)  # the first layer's backward, with the rest's gradients done
     act, lg = activations(s, st, layout) + dropout_masks(s, st), logits_bytes(s, st)
-    # The loss's buffers (and the gathered head) are live as the backward pass starts; later, each
-    # layer's backward needs gradient buffers of its own, the larger of the two is what counts.
-    backward = max(lg + workspace, backward_workspace(s, st))
-    peak = weights + optimizer + max(act + backward + dequantized + (gradients if st.lora else 0), gradient_phase)
+    # Two moments of the backward pass: the loss's (its buffers and the gathered head, beside what
+    # the forward pass kept), then each layer's (its recomputed activations and gradient buffers).
+    loss_phase = kept_for_backward(s, st) + dropout_masks(s, st) + lg + workspace
+    layer_phase = act + backward_workspace(s, st)
+    transient = max(loss_phase, layer_phase) + dequantized + (gradients if st.lora else 0)
+    peak = weights + optimizer + max(transient, gradient_phase)
     return Plan(
         setting=st,
         layout=layout,

@@ -63,13 +63,19 @@ def build_sharded_model(recipe: Recipe, runtime: Any) -> Any:
 
 
 def synthetic_dataset(recipe: Recipe, vocab_size: int, rows: int) -> Any:
-    """Rows of ``data.max_length`` random tokens: the step's shapes are the real data's (every row is padded)."""
+    """Rows of ``data.max_length`` random tokens: the step's shapes are the real data's (every row is
+    padded; packed rows carry segment ids and positions too)."""
     import datasets
     import numpy as np
 
-    ids = np.random.default_rng(0).integers(3, vocab_size, size=(rows, recipe.data.max_length)).tolist()
-    ones = [[1] * recipe.data.max_length] * rows
-    return datasets.Dataset.from_dict({"input_ids": ids, "attention_mask": ones, "labels": ids})
+    length = recipe.data.max_length
+    ids = np.random.default_rng(0).integers(3, vocab_size, size=(rows, length)).tolist()
+    columns = {"input_ids": ids, "attention_mask": [[1] * length] * rows, "labels": ids}
+    if recipe.data.packing:  # four samples per row, as data.rows packs them
+        quarter = -(-length // 4)
+        columns["position_ids"] = [[i % quarter for i in range(length)]] * rows
+        columns["segment_ids"] = [[1 + i // quarter for i in range(length)]] * rows
+    return datasets.Dataset.from_dict(columns)
 
 
 def any_tokenizer(recipe: Recipe) -> Any:

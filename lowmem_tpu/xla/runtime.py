@@ -75,6 +75,7 @@ def setup_runtime(cfg: RuntimeSection) -> Runtime:
     import numpy as np
     import torch
     import torch_xla
+    import torch_xla.core.xla_model as xm
     import torch_xla.distributed.spmd as xs
     import torch_xla.runtime as xr
 
@@ -88,6 +89,9 @@ def setup_runtime(cfg: RuntimeSection) -> Runtime:
     device = torch_xla.device()
     assert isinstance(device, torch.device)
     kind = device_kind(platform)
+    from lowmem_tpu.model.loss import provide_barrier
+
+    provide_barrier(xm.optimization_barrier_)  # the chunked loss's blocks, one after another
     if platform == "TPU":
         _check_target(cfg.target, kind, num_devices)
         from lowmem_tpu.xla.attention import install
