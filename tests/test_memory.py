@@ -152,7 +152,7 @@ def test_suggestions_turn_techniques_on_in_order_until_it_fits():
     llama = replace(SHAPE, vocab=32000)
     worst = replace(BASE, strategy="replicated", checkpointing=False, length=1024, global_batch=16)
     start = memory.plan_setting(llama, worst, "tpu", GiB)
-    steps = memory_report.next_steps(llama, replace(start, capacity=start.needed // 6))
+    steps = memory_report.next_steps(llama, replace(start, capacity=start.needed // 8))
     names = [s.override for s in steps]
     # Cheapest first: sharding, then a smaller micro-batch with accumulation, before recomputation
     assert names[:2] == ["sharding.strategy=fsdp", "train.gradient_accumulation_steps=2"], names
@@ -167,7 +167,7 @@ def test_suggestions_turn_techniques_on_in_order_until_it_fits():
     assert all(b < a for a, b in itertools.pairwise(peaks))
     assert memory_report.next_steps(llama, replace(start, capacity=start.needed // 3))[-1].plan.fits
     cpu = memory.plan_setting(llama, worst, "cpu", GiB)
-    cpu_steps = memory_report.next_steps(llama, replace(cpu, capacity=cpu.needed // 6))
+    cpu_steps = memory_report.next_steps(llama, replace(cpu, capacity=cpu.needed // 8))
     assert "sharding.offload_activations=true" not in [s.override for s in cpu_steps]  # refused off a TPU
 
 
@@ -205,10 +205,11 @@ def test_accumulation_and_chunked_attention_lower_the_planned_activations():
     four = replace(one, accumulation=4)
     assert four.sequences * 4 == one.sequences and four.live_sequences == four.sequences
     assert memory.activations(SHAPE, four, "tpu") < memory.activations(SHAPE, one, "tpu") / 3
-    # On the CPU compiler a micro-batch program ending at its gradients loses checkpointing (measured)
-    assert memory.activations(SHAPE, four, "cpu") == memory.activations(
-        SHAPE, replace(four, checkpointing=False), "cpu"
-    )
+    # On the CPU compiler a micro-batch program ending at its gradients loses checkpointing (measured):
+    # every layer's per-token activations, one layer's attention scores
+    off = memory.activations(SHAPE, replace(four, checkpointing=False), "cpu")
+    scores = memory.attention_scores(SHAPE, four)
+    assert memory.activations(SHAPE, four, "cpu") == off - (SHAPE.layers - 1) * scores
     long = replace(BASE, length=1024)
     eager, chunked = (memory.attention_scores(SHAPE, replace(long, attention=a)) for a in ("eager", "chunked"))
     assert eager == long.live_sequences * SHAPE.heads * 1024 * 1024 * 4
@@ -269,9 +270,7 @@ def test_memory_command_prints_both_modes_without_heavy_imports():
 
 
 def test_memory_measure_compiles_the_real_step_beside_the_plan():
-    done = cli(
-        "memory", "recipes/tiny_lora_cpu.yaml", "sharding.activation_checkpointing=every_2", "--measure", "--json"
-    )
+    done = cli("memory", "recipes/tiny_lora_cpu.yaml", "train.chunked_loss=true", "--measure", "--json")
     assert done.returncode == 0, done.stderr[-2000:]
     measured = json.loads(done.stdout)["measured_peak"]
     assert measured["platform"] == "CPU" and measured["devices"] == 4 and measured["layout"] == "cpu"
