@@ -180,17 +180,25 @@ def activations(s: Shape, st: Setting, layout: str, checkpointing: bool | None =
     return kept
 
 
-def kept_for_backward(s: Shape, st: Setting) -> int:
+def kept_for_backward(s: Shape, st: Setting, layout: str) -> int:
     """What the forward pass leaves for the backward pass as the loss's backward runs: every layer's
     activations without checkpointing, else the checkpointed layers' inputs (in host memory with
-    ``offload``) and the other layers' activations; no layer is being recomputed yet."""
+    ``offload``) and the other layers' activations; on a TPU no layer is being recomputed yet.
+
+    The CPU layout adds what XLA:CPU, which drops the optimization barriers, does besides: one
+    layer's recomputation already under way beside the whole logits (one program per step, the
+    model's own loss: measured on the 162M and ``mini`` grids, not with the chunked loss or with
+    accumulation), and on one device each layer's attention kept from the forward pass."""
     if not st.checkpointing:
         return s.layers * layer_activations(s, st)
-    recomputed = checkpointed_layers(s, st)
+    e, recomputed = DTYPE_BYTES[st.dtype], checkpointed_layers(s, st)
     inputs = 0 if st.offload else recomputed
-    return (inputs + 1) * st.tokens * s.hidden * DTYPE_BYTES[st.dtype] + (s.layers - recomputed) * layer_activations(
-        s, st
-    )
+    kept = (inputs + 1) * st.tokens * s.hidden * e + (s.layers - recomputed) * layer_activations(s, st)
+    if layout == "cpu" and st.accumulation == 1 and not (st.chunked_loss or st.fused_head):
+        kept += layer_activations(s, st)
+    if layout == "cpu" and st.devices == 1:
+        kept += recomputed * (3 * st.tokens * s.hidden * e + attention_scores(s, st))
+    return kept
 
 
 def cpu_drops_checkpointing(st: Setting, layout: str) -> bool:
@@ -345,7 +353,7 @@ def plan_setting(s: Shape, st: Setting, layout: str, capacity: int) -> Plan:
     act, lg = activations(s, st, layout) + dropout_masks(s, st), logits_bytes(s, st)
     # Two moments of the backward pass: the loss's (its buffers and the gathered head, beside what
     # the forward pass kept), then each layer's (its recomputed activations and gradient buffers).
-    loss_phase = kept_for_backward(s, st) + dropout_masks(s, st) + lg + workspace
+    loss_phase = kept_for_backward(s, st, layout) + dropout_masks(s, st) + lg + workspace
     layer_phase = act + backward_workspace(s, st)
     transient = max(loss_phase, layer_phase) + dequantized + (gradients if st.lora else 0)
     peak = weights + optimizer + max(transient, gradient_phase)
