@@ -1,6 +1,6 @@
 """Step time of each memory lever against the plain step: ``lowmem-tpu sft`` itself, alternating.
 
-    python scripts/lever_speed.py [--rounds 3] [--steps 15] [--length 256]
+    python scripts/lever_speed.py [--rounds 2] [--steps 6] [--length 128]
 
 The model is ``memory_levers.py``'s ``mini`` (Open Llama's proportions, 4 layers of hidden 400,
 vocabulary 32000, random init) on 4 CPU devices, LoRA, fp32, 16 sequences of ``--length`` tokens
@@ -61,9 +61,9 @@ def step_time(model_dir: Path, length: int, steps: int, overrides: list[str], na
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=15)
-    parser.add_argument("--length", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--length", type=int, default=128)
     args = parser.parse_args()
     model_dir = Path(tempfile.mkdtemp(prefix="lowmem-mini-"))
     (model_dir / "config.json").write_text(json.dumps(MINI))

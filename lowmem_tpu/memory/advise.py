@@ -223,7 +223,8 @@ def _mode(st: Setting) -> str:
 def plan_rows(plan: Plan) -> list[tuple[str, int]]:
     """(label, bytes) per component, in display order."""
     st = plan.setting
-    ckpt = "on" if st.checkpointing else "off"
+    every = f"one layer in {st.checkpoint_every}" if st.checkpoint_every > 1 else "on"
+    ckpt = (every if st.checkpointing else "off") + (", inputs offloaded" if st.offload else "")
     base = f" ({st.quantize} base + {st.dtype} scales)" if plan.dequantized else ""
     rows = [
         (f"weights{base}", plan.weights),

@@ -148,7 +148,8 @@ def _recipe_section(recipe: dict[str, Any], metrics: dict[str, Any]) -> str:
     lora_text = f"LoRA r={lora.get('r')}, alpha {lora.get('alpha')}, dropout {lora.get('dropout')}"
     mode = f"{lora_text}, targets {lora.get('target_modules')}" if lora.get("enabled", True) else "full fine-tuning"
     devices = f"{metrics.get('num_devices', '?')} {metrics.get('platform', '')} devices".replace("  ", " ")
-    checkpointing = _on(s.get("activation_checkpointing"))
+    policy = s.get("activation_checkpointing")
+    checkpointing = policy if isinstance(policy, str) else _on(policy)
     rows = [
         ("base model", f"`{m.get('name_or_path')}`" + (" (random init)" if m.get("random_init") else "")),
         ("training", mode),
