@@ -229,7 +229,13 @@ def test_a_tpu_plan_carries_no_cpu_compiler_effect():
 
 
 def test_every_shipped_open_llama_recipe_fits_its_target():
-    for name in ("open_llama_lora", "open_llama_lora_v5e1", "open_llama_full", "open_llama_7b_qlora"):
+    for name in (
+        "open_llama_lora",
+        "open_llama_lora_v5e1",
+        "open_llama_full",
+        "open_llama_7b_qlora",
+        "llama2_70b_qlora_v5e8",
+    ):
         recipe = load_recipe(ROOT / f"recipes/{name}.yaml")
         assert recipe.runtime.target in ("v5e-8", "v5e-1"), name
         report = memory_report.plan_recipe(recipe, memory_report.default_device(recipe))
