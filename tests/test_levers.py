@@ -10,9 +10,13 @@ from lowmem_tpu.model import attention
 
 
 def _touch_xla() -> None:
-    import torch_xla
+    """Start the XLA runtime as every run does (SPMD, 4 CPU devices) before any CPU backward: after one,
+    XLA backwards fail in this process (XLA_NOTES); and XLA used without SPMD first makes a later
+    SPMD run in the same process crash (measured: a segfault in the next file's training)."""
+    from lowmem_tpu.config import RuntimeSection
+    from lowmem_tpu.xla.runtime import setup_runtime
 
-    torch_xla.device()  # before any CPU backward: after one, XLA backwards fail in this process (XLA_NOTES)
+    setup_runtime(RuntimeSection(device="cpu", num_cpu_devices=4))
 
 
 def _tiny(impl: str, seed: int = 0, layers: int = 2):
@@ -238,14 +242,15 @@ def test_offloaded_checkpointing_trains_like_plain_checkpointing_on_a_tpu(tmp_pa
 
 def _per_sample_losses(model, inputs, device, segments=None):
     """Summed next-token loss per sample: per row (unpacked) or per segment of each row (packed)."""
-    out = model(**{k: v.to(device) for k, v in inputs.items() if k != "labels"})
-    logits, labels = out.logits[:, :-1].float().cpu(), inputs["labels"][:, 1:]
+    with torch.no_grad():
+        out = model(**{k: v.to(device) for k, v in inputs.items() if k != "labels"})
+    logits, labels = out.logits[:, :-1].float().cpu(), inputs["labels"][:, 1:].cpu()
     terms = torch.nn.functional.cross_entropy(
         logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100, reduction="none"
     ).view(labels.shape)
     if segments is None:
         return [row.sum().item() for row in terms]
-    owner = segments[:, 1:]  # each term belongs to its target's sample
+    owner = segments[:, 1:].cpu()  # each term belongs to its target's sample
     return [terms[b][owner[b] == s].sum().item() for b in range(len(terms)) for s in owner[b].unique() if s != 0]
 
 
@@ -265,13 +270,16 @@ def test_a_packed_batch_gives_the_per_sample_losses_of_the_samples_unpacked(impl
         labels = ids.copy()
         labels[: length // 3] = -100  # a masked prompt
         samples.append((ids, labels))
-    model = _tiny(impl).eval()
+    import torch_xla
+
+    device = torch_xla.device()  # on the XLA devices, as training runs
+    model = _tiny(impl).to(device).eval()
     tensors = {k: torch.as_tensor(v, dtype=torch.long) for k, v in _pad(samples, 16, 0).items()}
-    unpacked = _per_sample_losses(model, tensors, "cpu")
+    unpacked = _per_sample_losses(model, tensors, device)
     rows = {k: torch.as_tensor(v, dtype=torch.long) for k, v in _pack(samples, 20, 0).items()}
     assert len(rows["input_ids"]) < len(samples)  # really packed: several samples per row
-    inputs = packed_inputs(rows, impl, torch.float32)
-    packed = _per_sample_losses(model, inputs, "cpu", segments=rows["segment_ids"])
+    inputs = packed_inputs({k: v.to(device) for k, v in rows.items()}, impl, torch.float32)
+    packed = _per_sample_losses(model, inputs, device, segments=rows["segment_ids"])
     assert packed == pytest.approx(unpacked, rel=1e-5, abs=1e-5)
     naive = {k: v for k, v in rows.items() if k not in ("segment_ids", "position_ids")}  # samples see each other
-    assert _per_sample_losses(model, naive, "cpu", segments=rows["segment_ids"]) != pytest.approx(unpacked, rel=1e-3)
+    assert _per_sample_losses(model, naive, device, segments=rows["segment_ids"]) != pytest.approx(unpacked, rel=1e-3)
