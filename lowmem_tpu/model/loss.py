@@ -42,7 +42,7 @@ def _after(tensor: torch.Tensor, done: torch.Tensor | None) -> torch.Tensor:
 
     XLA would otherwise compute every block's [batch, block, vocab] logits at once (measured on
     the CPU compiler: all 8 live together, which undoes the chunking). An optimization barrier
-    (the runtime's, on a TPU) orders them; XLA:CPU drops barriers, so the block also depends on
+    (the runtime hands it over; a TPU keeps it) orders them; XLA:CPU drops barriers, so the block also depends on
     ``done`` through ``+ 0 * done``, which XLA does not fold for floats (0 * inf is NaN).
     """
     if done is None:
@@ -95,7 +95,10 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             probs = torch.softmax(logits, dim=-1)
             scale = keep * grad_total  # d(sum of losses) = softmax - one-hot, at kept positions
             rows = weight[y.clamp(min=0)].float()  # the label's row of the head: the one-hot's share
-            grad_hidden.append((torch.matmul(probs * scale, weight.float()) - rows * scale).to(hidden.dtype))
+            # In the head's dtype (a bf16 matmul accumulates in fp32): weight.float() would be an fp32
+            # copy of the whole gathered head (0.4 GB for Open Llama 3B), which the plan does not hold.
+            spread = torch.matmul((probs * scale).to(weight.dtype), weight).float()
+            grad_hidden.append((spread - rows * scale).to(hidden.dtype))
             if want_weight:
                 flat_h, flat_y = h.reshape(-1, h.shape[-1]).float(), y.reshape(-1).clamp(min=0)
                 flat_scale = scale.reshape(-1, 1)
