@@ -76,8 +76,8 @@ def memory(
         str | None,
         typer.Option(
             "--device",
-            help="v5e-1, v5e-4, v5e-8, v6e-1, v6e-4, v6e-8, v4-8, v5p-8, v3-8, v2-8 or cpu "
-            "(default: the recipe's runtime.target, else the TPU here, else cpu).",
+            help="v5e-1, v5e-4, v5e-8, v6e-1, v6e-4, v6e-8, v5e-16, v5e-32, v6e-16, v4-8, v5p-8, v3-8, v2-8 "
+            "or cpu (default: the recipe's runtime.target, else the TPU here, else cpu).",
             show_default=False,
         ),
     ] = None,
@@ -90,8 +90,19 @@ def memory(
             "(the TPU compiler on a TPU; else the CPU compiler on runtime.num_cpu_devices devices).",
         ),
     ] = False,
+    compile_: Annotated[
+        bool,
+        typer.Option(
+            "--compile",
+            help="Compile the recipe's steady training step with the TPU compiler for --device (libtpu's "
+            "compile-only client: no TPU needed, no weights made) and print its per-chip memory beside the plan.",
+        ),
+    ] = False,
 ) -> None:
     """Plan per-device memory of the recipe and its twin (LoRA <-> full); say what to turn on if it does not fit."""
+    if compile_:
+        _compile(recipe, overrides, device, as_json)
+        return
     try:
         from lowmem_tpu.memory.advise import default_device, format_report, plan_recipe, report_json
 
@@ -114,6 +125,32 @@ def memory(
         from lowmem_tpu.memory.compare import format_measurement
 
         typer.echo("\n" + format_measurement(measured))
+
+
+def _compile(recipe: str | None, overrides: list[str] | None, device: str | None, as_json: bool) -> None:
+    """``memory --compile``: the TPU compiler's verdict on the recipe's step for one TPU."""
+    try:
+        from lowmem_tpu.memory.tpu_compile import compile_beside_plan, compile_target, require_compiler
+
+        loaded = load_args(recipe, [*(overrides or []), "runtime.device=tpu"])
+        name = device or loaded.runtime.target
+        if name in (None, "cpu"):
+            raise UserError("--compile compiles for a TPU: name one with --device (e.g. v5e-8, v5e-1)")
+        target = compile_target(name)
+        require_compiler()
+        where = f"{target.devices} CPU device(s)"
+        typer.echo(f"tracing the step on {where}, then compiling it for {target.name}...", err=True)
+        result, record, text = compile_beside_plan(loaded, target.name)
+    except UserError as err:
+        fail(err)
+    if as_json:
+        import json
+
+        typer.echo(json.dumps(record, indent=2))
+    else:
+        typer.echo(text)
+    if result.error:
+        raise typer.Exit(1)
 
 
 def _measure(recipe: Recipe) -> dict:

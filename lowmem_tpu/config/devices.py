@@ -7,6 +7,7 @@ device per chip (a v4-8 or v5p-8 has 4 chips: those names count TensorCores).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from lowmem_tpu.errors import UserError
@@ -23,6 +24,7 @@ class Generation:
     hbm_bytes: int  # nominal HBM per XLA device
     usable_bytes: int  # what the TPU compiler allows a program ("Used X of <usable> hbm")
     peak_flops: float  # dense bf16 FLOP/s per XLA device
+    hbm_bandwidth: float  # HBM bytes/s per XLA device
     devices_per_chip: int = 1
 
 
@@ -35,12 +37,12 @@ def _g(gib: float) -> int:
 GENERATIONS = {
     g.name: g
     for g in (
-        Generation("v2", "TPU v2", 8 * GiB, _g(7.48), 22.5e12, devices_per_chip=2),
-        Generation("v3", "TPU v3", 16 * GiB, _g(15.48), 61.5e12, devices_per_chip=2),
-        Generation("v4", "TPU v4", 32 * GiB, _g(30.75), 275e12),
-        Generation("v5e", "TPU v5 lite", 16 * GiB, _g(15.75), 197e12),
-        Generation("v5p", "TPU v5", 95 * GiB, 95 * GiB, 459e12),
-        Generation("v6e", "TPU v6 lite", 32 * GiB, _g(31.25), 918e12),
+        Generation("v2", "TPU v2", 8 * GiB, _g(7.48), 22.5e12, 350e9, devices_per_chip=2),
+        Generation("v3", "TPU v3", 16 * GiB, _g(15.48), 61.5e12, 450e9, devices_per_chip=2),
+        Generation("v4", "TPU v4", 32 * GiB, _g(30.75), 275e12, 1228e9),
+        Generation("v5e", "TPU v5 lite", 16 * GiB, _g(15.75), 197e12, 819e9),
+        Generation("v5p", "TPU v5", 95 * GiB, 95 * GiB, 459e12, 2765e9),
+        Generation("v6e", "TPU v6 lite", 32 * GiB, _g(31.25), 918e12, 1640e9),
     )
 }
 
@@ -55,6 +57,8 @@ class Device:
     about: str
     generation: str = "cpu"
     legacy: bool = False  # no longer offered by Kaggle or Colab
+    topology: str | None = None  # libtpu's name for its chips ("v5e:2x4"): what `memory --compile` compiles for
+    host_bounds: tuple[int, int, int] = (1, 1, 1)  # chips per host along each axis of the topology
 
     @property
     def peak_flops(self) -> float | None:
@@ -62,25 +66,45 @@ class Device:
         chip = GENERATIONS.get(self.generation)
         return chip.peak_flops if chip else None
 
+    @property
+    def hbm_bandwidth(self) -> float | None:
+        """HBM bytes/s of one XLA device (None on the CPU backend)."""
+        chip = GENERATIONS.get(self.generation)
+        return chip.hbm_bandwidth if chip else None
 
-def _vm(name: str, generation: str, devices: int, where: str = "", legacy: bool = False) -> Device:
+    @property
+    def hosts(self) -> int:
+        """TPU VMs (hosts) the slice spans: one for a single VM."""
+        return max(1, self.devices // math.prod(self.host_bounds)) if self.topology else 1
+
+
+def _vm(
+    name: str, generation: str, devices: int, where: str = "", legacy: bool = False, chips: str = "", host: str = ""
+) -> Device:
+    """A TPU VM or pod slice; ``chips`` is its topology's shape ("4x4"), ``host`` one host's share ("2x4")."""
     g = GENERATIONS[generation]
     unit = "cores" if g.devices_per_chip > 1 else ("chip" if devices == 1 else "chips")
     about = f"TPU {name}: {devices} {unit} x {g.hbm_bytes // GiB} GiB{where}"
-    return Device(name, devices, g.usable_bytes, about, generation, legacy)
+    dims = [int(d) for d in (host or chips).split("x")] if chips else []
+    bounds = (*dims, *[1] * (3 - len(dims)))
+    topology = f"{generation}:{chips}" if chips else None
+    return Device(name, devices, g.usable_bytes, about, generation, legacy, topology, bounds)  # type: ignore[arg-type]
 
 
 DEVICES = {
     d.name: d
     for d in (
-        _vm("v5e-1", "v5e", 1, " (Colab's free TPU)"),
-        _vm("v5e-4", "v5e", 4),
-        _vm("v5e-8", "v5e", 8, " (Kaggle's free TPU)"),
-        _vm("v6e-1", "v6e", 1),
-        _vm("v6e-4", "v6e", 4),
-        _vm("v6e-8", "v6e", 8),
-        _vm("v4-8", "v4", 4),
-        _vm("v5p-8", "v5p", 4),
+        _vm("v5e-1", "v5e", 1, " (Colab's free TPU)", chips="1x1"),
+        _vm("v5e-4", "v5e", 4, chips="2x2"),
+        _vm("v5e-8", "v5e", 8, " (Kaggle's free TPU)", chips="2x4"),
+        _vm("v6e-1", "v6e", 1, chips="1x1"),
+        _vm("v6e-4", "v6e", 4, chips="2x2"),
+        _vm("v6e-8", "v6e", 8, chips="2x4"),
+        _vm("v5e-16", "v5e", 16, " (a pod slice: 2 hosts of 8)", chips="4x4", host="2x4"),
+        _vm("v5e-32", "v5e", 32, " (a pod slice: 4 hosts of 8)", chips="4x8", host="2x4"),
+        _vm("v6e-16", "v6e", 16, " (a pod slice: 2 hosts of 8)", chips="4x4", host="2x4"),
+        _vm("v4-8", "v4", 4),  # libtpu's compile-only v4:2x2x1 shows 8 devices (one per core), a v4-8 runs 4
+        _vm("v5p-8", "v5p", 4, chips="2x2x1"),
         _vm("v3-8", "v3", 8, " (legacy: Kaggle's TPU until 2025)", legacy=True),
         _vm("v2-8", "v2", 8, " (legacy: Colab's TPU until September 2025)", legacy=True),
     )

@@ -122,3 +122,32 @@ def largest_program(paths: list[Path]) -> CompilerFigures:
     if not figures:
         raise UserError("the compiler wrote no buffer assignment: was XLA_FLAGS set before torch_xla started?")
     return max(figures, key=lambda f: f.total_bytes)
+
+
+@dataclass(frozen=True)
+class HbmAllocations:
+    """A TPU buffer assignment split by memory space: colour 0 is HBM, the other colours on-chip memory."""
+
+    parameters: int  # HBM allocations of entry parameters
+    outputs: int  # HBM allocations live out of the program that are not parameters
+    temporaries: int  # every other HBM allocation (the temporary arena, constants, thread-local)
+    scratch: int  # colour != 0: VMEM, SMEM, semaphores (layout S(1) and up), not HBM
+
+
+_COLOUR = re.compile(r"\bcolor (\d+)")
+
+
+def hbm_allocations(path: Path) -> HbmAllocations:
+    """The HBM and on-chip split of a TPU ``*after_optimizations-buffer-assignment.txt``."""
+    parameters = outputs = temporaries = scratch = 0
+    for size, rest in _ALLOCATION.findall(path.read_text()):
+        colour = _COLOUR.search(rest)
+        if colour and colour.group(1) != "0":
+            scratch += int(size)
+        elif " parameter " in rest:
+            parameters += int(size)
+        elif "live-out" in rest:
+            outputs += int(size)
+        else:
+            temporaries += int(size)
+    return HbmAllocations(parameters, outputs, temporaries, scratch)

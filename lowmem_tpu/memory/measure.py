@@ -110,7 +110,9 @@ class StepMeasurement:
     missing: str | None = None
 
 
-def _spawn(kind: str, recipe: Recipe, overrides: list[str], steps: int, env: dict[str, str], timeout: float) -> dict:
+def spawn_step(
+    kind: str, recipe: Recipe, overrides: list[str], steps: int, env: dict[str, str], timeout: float
+) -> dict[str, Any]:
     """Run :mod:`lowmem_tpu.memory.step` in a fresh Python (torch_xla reads its device settings once, at start-up)."""
     load_recipe_text(recipe, overrides)  # a recipe that cannot run this way fails here, not in the child
     with tempfile.TemporaryDirectory(prefix="lowmem-measure-") as tmp:
@@ -158,7 +160,7 @@ def compile_step(
         env = {"PJRT_DEVICE": platform, "XLA_FLAGS": dump_flags(dump, platform), "LOWMEM_DUMP_DIR": str(dump)}
         if platform == "CPU":
             env["CPU_NUM_DEVICES"] = str(devices)
-        record = _spawn("compile", recipe, overrides, 2 if steady else 1, env, timeout)
+        record = spawn_step("compile", recipe, overrides, 2 if steady else 1, env, timeout)
         oom = OutOfMemory(**record["out_of_memory"]) if record.get("out_of_memory") else None
         figures, missing = None, None
         if oom is None:
@@ -205,7 +207,7 @@ class TpuRun:
 
 def run_steps(recipe: Recipe, steps: int, timeout: float = 7200) -> TpuRun:
     """Run ``steps`` real training steps on the TPU (in a subprocess) and read HBM per device."""
-    record = _spawn("run", recipe, ["runtime.device=tpu"], steps, {"PJRT_DEVICE": "TPU"}, timeout)
+    record = spawn_step("run", recipe, ["runtime.device=tpu"], steps, {"PJRT_DEVICE": "TPU"}, timeout)
     devices = record.get("memory_per_device") or []
     return TpuRun(
         devices=record["num_devices"],

@@ -1,11 +1,12 @@
 """The subprocess of :mod:`lowmem_tpu.memory.measure`: the recipe's real training step, built sharded.
 
 ``compile`` traces the step, hands it to XLA and exits before it executes (the compiler writes
-its buffer assignment for one device's partition); ``run`` runs N real steps and reads what the
-devices report. Either way a program the TPU compiler refuses (RESOURCE_EXHAUSTED) is a result:
-its figures are recorded, the process exits cleanly.
+its buffer assignment for one device's partition); ``trace`` traces the steady step with no weights
+behind it (:mod:`lowmem_tpu.memory.trace`) and leaves the program for the TPU compiler; ``run``
+runs N real steps and reads what the devices report. Either way a program the TPU compiler refuses
+(RESOURCE_EXHAUSTED) is a result: its figures are recorded, the process exits cleanly.
 
-    python -m lowmem_tpu.memory.step {compile|run} RECIPE.yaml STEPS RESULT.json [OVERRIDES...]
+    python -m lowmem_tpu.memory.step {compile|trace|run} RECIPE.yaml STEPS RESULT.json [OVERRIDES...]
 """
 
 from __future__ import annotations
@@ -158,6 +159,52 @@ def _hook(kind: str, steps: int, record: dict[str, Any], result: Path) -> Any:
     return Hook()
 
 
+def _trace_hook(record: dict[str, Any], result: Path) -> Any:
+    """The trainer callback of a ``trace``: optimizer state made before step 1, the step's program kept."""
+    from transformers import TrainerCallback
+
+    from lowmem_tpu.memory.trace import ProgramWatcher, prefill_optimizer_state
+    from lowmem_tpu.xla import runtime as rt
+
+    dump = Path(os.environ["LOWMEM_DUMP_DIR"])
+
+    def done(module: Path, text: Path) -> None:
+        record.update(module=str(module), module_text=str(text), host_peak_rss_bytes=_host_peak_rss())
+        record["trace_seconds"] = round(time.perf_counter() - record.pop("_started"), 2)
+        _finish(record, result)
+
+    class Hook(TrainerCallback):
+        def on_train_begin(self, args, state, control, optimizer=None, **kwargs) -> None:
+            record["placeholders"] += prefill_optimizer_state(getattr(optimizer, "optimizer", optimizer))
+
+        def on_step_end(self, args, state, control, **kwargs) -> None:
+            record["_started"] = time.perf_counter()
+            ProgramWatcher(dump, done).start()
+            rt.sync()  # hands the step to the CPU compiler: the watcher takes it and leaves
+            time.sleep(600)  # never reached unless the dump is missing
+
+    return Hook()
+
+
+def _trace(recipe: Recipe, runtime: Any, micro: int, record: dict[str, Any], result: Path) -> None:
+    import torch
+
+    from lowmem_tpu.memory.trace import placeholder_model
+    from lowmem_tpu.xla.sharding import placeholder, placeholders_unmarked
+
+    model, record["placeholders"] = placeholder_model(recipe, runtime)
+    trainer = _trainer(recipe, runtime, model, micro, _trace_hook(record, result))
+
+    def fp32_copy(param: Any) -> Any:  # the master weights, as placeholders too
+        record["placeholders"] += 1
+        return placeholder(param.shape, torch.float32)
+
+    trainer._fp32_copy = fp32_copy
+    with placeholders_unmarked():
+        trainer.train()
+    raise RuntimeError("the step's program was not handed to the compiler")
+
+
 def _child(kind: str, recipe_path: str, steps: int, result: Path, overrides: list[str]) -> None:
     """The subprocess: ``compile`` traces the real step and compiles it, ``run`` runs ``steps`` real steps.
 
@@ -170,9 +217,11 @@ def _child(kind: str, recipe_path: str, steps: int, result: Path, overrides: lis
     recipe = load_recipe(recipe_path, [*overrides, f"train.max_steps={steps}", "train.eval_steps=null"])
     runtime = rt.setup_runtime(recipe.runtime)
     micro = micro_batch_size(recipe, runtime.num_devices)
-    model = build_sharded_model(recipe, runtime)
     record: dict[str, Any] = {"num_devices": runtime.num_devices, "micro_batch_size": micro, "step": steps}
     record["device_kind"] = runtime.kind
+    if kind == "trace":
+        _trace(recipe, runtime, micro, record, result)
+    model = build_sharded_model(recipe, runtime)
     trainer = _trainer(recipe, runtime, model, micro, _hook(kind, steps, record, result))
     try:
         trainer.train()

@@ -8,7 +8,9 @@ and the whole model in one more wrapper that shards the output along the batch.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -161,3 +163,55 @@ def offload_saved_inputs(module: nn.Module, runtime: Runtime) -> nn.Module:
 
     module.forward = offloaded
     return module
+
+
+def placeholder(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """Device data of this shape and dtype with no buffer behind it: it can be traced, never run.
+
+    torch_xla 2.9's ``core/xla_builder.create_placeholder_tensor`` (what its ``scan`` traces layer
+    bodies with). ``mark_sharding`` refuses it ("Data does not present on any device"), so a program
+    traced with placeholders has their arguments unannotated: ``xla.tpu_compiler`` gives each the
+    sharding ``place_parameters`` would (``partition_spec`` of its shape).
+    """
+    import torch_xla.core.xla_builder as xb
+
+    return xb.create_placeholder_tensor(tuple(shape), dtype)
+
+
+def place_placeholders(model: nn.Module) -> int:
+    """Every parameter of ``model`` (meta or host) replaced by a placeholder of its shape and dtype.
+
+    Buffers (rotary tables) are not touched: place them as usual. Tied weights stay tied. Returns
+    the number of placeholders made.
+    """
+    made: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if id(param) not in made:
+                made[id(param)] = nn.Parameter(placeholder(param.shape, param.dtype), requires_grad=param.requires_grad)
+            module._parameters[name] = made[id(param)]
+    return len(made)
+
+
+@contextlib.contextmanager
+def placeholders_unmarked() -> Iterator[None]:
+    """While tracing with placeholders: FSDPv2 marks every parameter it finds unsharded, and a
+    placeholder cannot be marked. Its marking is skipped (``xla.tpu_compiler`` gives the argument
+    the same sharding, FSDPv2's largest-dimension rule); every other ``mark_sharding`` is unchanged."""
+    import torch_xla.distributed.spmd as xs
+
+    original = xs.mark_sharding
+
+    def mark(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return original(tensor, *args, **kwargs)
+        except RuntimeError as err:
+            if "Data does not present" not in str(err):
+                raise
+            return None
+
+    xs.mark_sharding = mark
+    try:
+        yield
+    finally:
+        xs.mark_sharding = original

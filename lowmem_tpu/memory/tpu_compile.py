@@ -1,0 +1,289 @@
+"""``lowmem-tpu memory --compile``: the TPU compiler's verdict on the recipe's real step, without a TPU.
+
+Two subprocesses, one per XLA: :mod:`lowmem_tpu.memory.step` ``trace`` traces the steady training
+step on as many CPU devices as the target has chips, with placeholders for every weight and
+optimizer tensor (:mod:`lowmem_tpu.memory.trace`), and leaves the program torch_xla hands PJRT;
+:mod:`lowmem_tpu.xla.tpu_compiler` compiles that program with libtpu's compile-only client for the
+target's topology. The figures are the TPU compiler's for one chip's partition: what a TPU would
+allocate for this program, not a run (nothing executes; a real run also holds the runtime's own
+buffers, and XLA may schedule a program it compiled on a TPU differently at run time).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lowmem_tpu.config import Recipe
+from lowmem_tpu.config.devices import DEVICES, Device
+from lowmem_tpu.console import size
+from lowmem_tpu.errors import UserError
+from lowmem_tpu.memory.compiler import OutOfMemory, hbm_allocations, out_of_memory
+
+EXTRA = 'pip install -c constraints.txt -e ".[compiler]"'
+TRACE_FLAGS = "--xla_dump_to={dir} --xla_dump_hlo_pass_re=NONE --xla_dump_hlo_as_proto --xla_dump_hlo_as_text"
+
+
+@dataclass(frozen=True)
+class TpuCompile:
+    """The TPU compiler's figures for one chip's partition of the recipe's steady step (bytes)."""
+
+    device: str
+    topology: str
+    chips: int
+    capacity: int  # the chip's usable HBM
+    libtpu: str
+    kind: str
+    trace_seconds: float
+    compile_seconds: float
+    host_peak_rss_bytes: int
+    placeholders: int
+    donated: int
+    arguments: int = 0
+    outputs: int = 0
+    aliased: int = 0
+    temporaries: int = 0  # HBM only (colour 0 of the buffer assignment)
+    scratch: int = 0  # on-chip memory (VMEM, SMEM, ...): the other colours, not HBM
+    generated_code: int = 0
+    cost: dict[str, float] = field(default_factory=dict)
+    refused: OutOfMemory | None = None
+    error: str | None = None
+
+    @property
+    def needed(self) -> int:
+        """What the chip must hold at the step's peak: arguments + outputs - aliased + temporaries."""
+        if self.refused is not None:
+            return self.refused.needed_bytes
+        return self.arguments + self.outputs - self.aliased + self.temporaries
+
+    @property
+    def fits(self) -> bool:
+        return self.refused is None and self.error is None and self.needed <= self.capacity
+
+
+def compile_target(name: str) -> Device:
+    """The catalog device to compile for; exit 2 naming the ones with a topology libtpu knows."""
+    known = [d.name for d in DEVICES.values() if d.topology]
+    device = DEVICES.get(name)
+    if device is None or device.topology is None:
+        why = f"unknown device {name!r}" if device is None else f"libtpu's compile-only client has no {name}"
+        raise UserError(f"--device: {why}; --compile knows {', '.join(known)}")
+    return device
+
+
+def require_compiler() -> None:
+    """jax and libtpu, the compile-only client: the ``compiler`` extra (in ``dev`` too)."""
+    missing = [name for name in ("jax", "jaxlib", "libtpu") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise UserError(f"--compile needs the TPU compiler ({', '.join(missing)} not installed): {EXTRA}")
+
+
+def compile_recipe(recipe: Recipe, device: Device, timeout: float = 3600, keep: Path | None = None) -> TpuCompile:
+    """Trace the recipe's steady step on ``device.devices`` CPU devices and compile it for ``device``."""
+    from lowmem_tpu.memory.measure import spawn_step
+
+    require_compiler()
+    n = device.devices
+    with tempfile.TemporaryDirectory(prefix="lowmem-tpu-compile-") as tmp:
+        work = keep or Path(tmp)
+        trace_dir, tpu_dir = work / "trace", work / "tpu"
+        for d in (trace_dir, tpu_dir):
+            d.mkdir(parents=True, exist_ok=True)
+        overrides = ["runtime.device=cpu", f"runtime.num_cpu_devices={n}", "runtime.compile_cache_dir=null"]
+        env = {
+            "PJRT_DEVICE": "CPU",
+            "CPU_NUM_DEVICES": str(n),
+            "XLA_FLAGS": TRACE_FLAGS.format(dir=trace_dir),
+            "LOWMEM_DUMP_DIR": str(trace_dir),
+        }
+        started = time.perf_counter()
+        traced = spawn_step("trace", recipe, overrides, 1, env, timeout)
+        traced["trace_seconds"] = round(time.perf_counter() - started, 1)  # the whole trace, start-up included
+        request = {
+            "module": traced["module"],
+            "module_text": traced["module_text"],
+            "topology": device.topology,
+            "host_bounds": list(device.host_bounds),
+            "devices": n,
+            "placeholders": traced["placeholders"],
+            "strategy": recipe.sharding.strategy,
+        }
+        compiled = _compile(request, work, tpu_dir, timeout)
+        children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+        base = {
+            "device": device.name,
+            "topology": device.topology or "",
+            "chips": n,
+            "capacity": device.hbm_bytes,
+            "libtpu": compiled.get("libtpu", "unknown"),
+            "kind": compiled.get("kind", ""),
+            "trace_seconds": traced.get("trace_seconds", 0.0),
+            "compile_seconds": compiled.get("compile_seconds", 0.0),
+            "host_peak_rss_bytes": max(children, traced.get("host_peak_rss_bytes", 0)),
+            "placeholders": traced["placeholders"],
+            "donated": compiled.get("donors", 0),
+        }
+        if "error" in compiled:
+            refused = out_of_memory(compiled["error"])
+            return TpuCompile(**base, refused=refused, error=None if refused else compiled["error"])
+        stats = compiled["stats"]
+        hbm = hbm_allocations(_buffer_assignment(tpu_dir))
+        return TpuCompile(
+            **base,
+            arguments=stats["argument_size_in_bytes"],
+            outputs=stats["output_size_in_bytes"],
+            aliased=stats["alias_size_in_bytes"],
+            temporaries=hbm.temporaries,
+            scratch=hbm.scratch,
+            generated_code=stats["generated_code_size_in_bytes"],
+            cost=compiled.get("cost", {}),
+        )
+
+
+def _compile(request: dict[str, Any], work: Path, dump: Path, timeout: float) -> dict[str, Any]:
+    (work / "request.json").write_text(json.dumps(request))
+    command = [sys.executable, "-m", "lowmem_tpu.xla.tpu_compiler", str(work / "request.json"), str(work / "tpu.json")]
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump}".strip()
+    env = os.environ | {"XLA_FLAGS": flags, "TF_CPP_MIN_LOG_LEVEL": "3", "JAX_PLATFORMS": "cpu"}
+    try:
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise UserError(f"the TPU compiler took over {timeout:.0f} s") from None
+    result = work / "tpu.json"
+    if not result.exists():
+        tail = "\n".join(done.stderr.splitlines()[-20:])
+        raise UserError(f"the TPU compiler failed (exit {done.returncode}):\n{tail}")
+    return json.loads(result.read_text())
+
+
+def _buffer_assignment(dump: Path) -> Path:
+    found = sorted(dump.glob("*after_optimizations-buffer-assignment.txt"), key=lambda p: p.stat().st_size)
+    if not found:
+        raise UserError("the TPU compiler wrote no buffer assignment (XLA_FLAGS --xla_dump_to was not honoured)")
+    return found[-1]
+
+
+# ----------------------------------------------------------------------------- the step's cost
+
+
+def cost_bounds(result: TpuCompile, model_flops_per_chip: float | None) -> dict[str, Any]:
+    """The compiler's cost of one step, as bounds for the target: time >= max(flops / peak, bytes / bandwidth).
+
+    ``model_flops_per_chip``: the model's FLOPs for one step on one chip (6N per token plus attention,
+    recomputation not counted), for an upper bound on MFU. Both are the compiler's estimate for the
+    program it compiled, not a measurement.
+    """
+    device = DEVICES[result.device]
+    flops, accessed = result.cost.get("flops"), result.cost.get("bytes accessed")
+    if not flops or not device.peak_flops or not device.hbm_bandwidth:
+        return {"reported": False, "why": "the compile-only client reported no flops for this program"}
+    compute, memory = flops / device.peak_flops, (accessed or 0) / device.hbm_bandwidth
+    bound = max(compute, memory)
+    out: dict[str, Any] = {
+        "reported": True,
+        "flops_per_chip": flops,
+        "bytes_accessed_per_chip": accessed,
+        "compute_seconds": compute,
+        "memory_seconds": memory,
+        "step_seconds_at_least": bound,
+        "bound_by": "compute" if compute >= memory else "HBM bandwidth",
+    }
+    if model_flops_per_chip:
+        out["mfu_at_most"] = model_flops_per_chip / bound / device.peak_flops
+    return out
+
+
+# ----------------------------------------------------------------------------- output
+
+
+def compile_json(result: TpuCompile, planned_peak: int | None, cost: dict[str, Any]) -> dict[str, Any]:
+    """``--json``: every figure in bytes, the verdict, and the plan's error against the compiler."""
+    out = asdict(result) | {"needed": result.needed, "fits": result.fits, "cost_bounds": cost}
+    out["source"] = "the TPU compiler (libtpu compile-only) on the step traced on the CPU backend: not a run"
+    if planned_peak is not None and result.error is None:
+        out["planned_peak"] = planned_peak
+        out["plan_error"] = (planned_peak - result.needed) / result.needed if result.needed else None
+    return out
+
+
+def format_compile(result: TpuCompile, planned_peak: int | None, cost: dict[str, Any], advice: str | None) -> str:
+    """The human report: per chip, the compiler's figures, the verdict, the plan beside it."""
+    g = size
+    target = f"{result.device} ({result.topology}, {result.kind})"
+    lines = [f"the TPU compiler (libtpu {result.libtpu}) for {target}, per chip:"]
+    if result.error:
+        return "\n".join([*lines, f"  the compiler failed: {result.error[:600]}"])
+    if result.refused:
+        asked = f"{g(result.needed)} of {g(result.refused.capacity_bytes)}"
+        lines.append(f"  does not fit: the TPU compiler asks for {asked} {result.refused.memory_space}")
+        lines.append("  (arguments and temporaries: the compiler's refusal does not count outputs)")
+    else:
+        rows = [
+            ("arguments", result.arguments),
+            ("outputs", result.outputs),
+            ("aliased (donated inputs reused by outputs)", -result.aliased),
+            ("temporaries (HBM)", result.temporaries),
+        ]
+        lines += [f"  {label:<44}{g(value):>11}" for label, value in rows]
+        room = result.capacity - result.needed
+        verdict = f"fits, {g(room)} free" if room >= 0 else f"does not fit, {g(-room)} short"
+        lines.append(f"  {'needed':<44}{g(result.needed):>11} of {g(result.capacity)}: {verdict}")
+        lines.append(f"  on-chip scratch (not HBM) {g(result.scratch)}; generated code {g(result.generated_code)}")
+    if planned_peak is not None:
+        error = (planned_peak - result.needed) / result.needed if result.needed else 0.0
+        lines.append(f"  the planner's peak: {g(planned_peak)} ({error:+.0%} against the compiler)")
+    if cost.get("reported"):
+        line = f"  step at least {cost['step_seconds_at_least'] * 1e3:.1f} ms ({cost['bound_by']})"
+        if "mfu_at_most" in cost:
+            line += f", MFU at most {cost['mfu_at_most']:.0%}"
+        lines.append(line + ": the compiler's cost estimate, not a measurement")
+    lines.append(
+        f"  traced in {result.trace_seconds:.0f} s, compiled in {result.compile_seconds:.0f} s; "
+        f"host peak {g(result.host_peak_rss_bytes)}; {result.placeholders} placeholders, {result.donated} donated"
+    )
+    if advice:
+        lines.append(f"  next: {advice}")
+    lines.append("  (the TPU compiler's verdict on the program traced on the CPU backend, not a run on a TPU)")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- beside the plan
+
+
+def compile_beside_plan(recipe: Recipe, device_name: str) -> tuple[TpuCompile, dict[str, Any], str]:
+    """``memory --compile``: the compiler's figures, their JSON (the plan and cost beside them), the report."""
+    from dataclasses import replace
+
+    from lowmem_tpu.memory.advise import next_steps, plan_recipe
+    from lowmem_tpu.memory.plan import plan_setting
+    from lowmem_tpu.memory.shape import require_config, shape_of
+    from lowmem_tpu.model.architecture import flops_per_token
+
+    device = compile_target(device_name)
+    config = require_config(recipe)
+    report = plan_recipe(recipe, device.name, config)  # also refuses a batch the chips do not split
+    result = compile_recipe(recipe, device)
+    plan = report.plan
+    tokens = recipe.train.global_batch_size * recipe.data.max_length
+    per_token = flops_per_token(
+        config, plan.total_parameters, plan.trainable_parameters, recipe.data.max_length, recipe.lora.enabled
+    )
+    cost = cost_bounds(result, per_token * tokens / device.devices)
+    advice = None
+    if not result.fits and result.error is None and result.needed:
+        # The planner, told the compiler's verdict: its capacity scaled by how far apart they are.
+        shape = shape_of(config)
+        scaled = int(plan.capacity * plan.peak / result.needed)
+        steps = next_steps(shape, plan_setting(shape, replace(plan.setting), plan.layout, scaled))
+        advice = f"{steps[0].technique} [{steps[0].override}]" if steps else "a larger TPU or a smaller model"
+    out = compile_json(result, plan.peak, cost) | ({"next_step": advice} if advice else {})
+    return result, out, format_compile(result, plan.peak, cost, advice)
