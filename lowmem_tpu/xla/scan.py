@@ -86,10 +86,10 @@ class ScannedLayers(nn.Module):
 
 
 def _require_scan_extra() -> None:
-    # torch_xla 2.9's scan keeps carries sharded alike through jax (xb.call_jax needs jax and torchax).
+    # torch_xla 2.9's scan keeps carries sharded alike through jax (xb.call_jax needs jax and torchax),
+    # which torch_xla imports itself: here only their presence is checked (jax stays out of this module).
     try:
-        import jax  # noqa: F401
-        import torchax  # noqa: F401
+        import torchax  # noqa: F401  (imports jax; its bundled copy also imports flax)
     except ImportError as err:
         raise UserError(
             f"sharding.scan_layers: needs jax and torchax ({err}); install them with: make install-scan"

@@ -1,0 +1,150 @@
+"""``lowmem-tpu memory --compile``: the real TPU compiler (libtpu's compile-only client) on this CPU machine.
+
+The tiny recipe's steady step is traced with placeholders and compiled for Kaggle's v5e-8 (v5e:2x4)
+and Colab's v5e-1 (v5e:1x1). The traps that would give wrong figures silently are pinned: donors
+dropped (aliasing 0), outputs gathered, placeholders left replicated; and the placeholder program
+must cost what the same step with real weights costs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from lowmem_tpu.errors import UserError
+from lowmem_tpu.memory import tpu_compile
+from lowmem_tpu.memory.compiler import out_of_memory
+from lowmem_tpu.memory.tpu_compile import TpuCompile, compile_target, format_compile
+from lowmem_tpu.xla.tpu_compiler import buffer_donors, fsdp_sharding
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = "recipes/tiny_lora_cpu.yaml"
+pytestmark = pytest.mark.skipif(
+    any(__import__("importlib").util.find_spec(m) is None for m in ("jax", "libtpu")),
+    reason="the [compiler] extra is not installed",
+)
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "COLUMNS": "120", "HF_HUB_OFFLINE": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "lowmem_tpu.cli", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
+
+
+@pytest.fixture(scope="module")
+def compiled() -> dict[str, dict]:
+    """The tiny recipe compiled for 8 chips and for 1, as ``--json`` reports it."""
+    out = {}
+    for device in ("v5e-8", "v5e-1"):
+        done = cli("memory", TINY, "--compile", "--device", device, "--json")
+        assert done.returncode == 0, done.stderr[-3000:]
+        out[device] = json.loads(done.stdout)
+    return out
+
+
+def test_the_tiny_step_compiles_for_kaggle_and_colab_and_fits(compiled):
+    for device, chips in (("v5e-8", 8), ("v5e-1", 1)):
+        r = compiled[device]
+        assert r["chips"] == chips and r["kind"] == "TPU v5 lite" and r["libtpu"] == "0.0.21"
+        assert r["fits"] and 0 < r["needed"] < r["capacity"] == int(15.75 * 2**30)
+        assert r["needed"] == r["arguments"] + r["outputs"] - r["aliased"] + r["temporaries"]
+        assert r["temporaries"] > 0 and r["scratch"] > 0  # HBM and on-chip memory are told apart
+        assert r["planned_peak"] > 0 and r["plan_error"] is not None
+        assert r["cost_bounds"]["reported"] and r["cost_bounds"]["step_seconds_at_least"] > 0
+
+
+def test_donors_survive_and_outputs_stay_sharded(compiled):
+    eight, one = compiled["v5e-8"], compiled["v5e-1"]
+    for r in (eight, one):
+        # Every trained tensor (adapters, their AdamW state) is donated and its output reuses the buffer.
+        assert r["donated"] > 0 and r["aliased"] > 0
+        assert r["outputs"] - r["aliased"] < 0.05 * r["outputs"]
+    # Sharded over 8 chips, each holds about an eighth of what one chip holds (tiles pad small shards).
+    assert eight["arguments"] < one["arguments"] / 3
+    assert eight["outputs"] < one["outputs"] / 3
+
+
+def test_placeholders_cost_what_real_weights_cost(tmp_path):
+    """The placeholder trace against the same steady step traced with real weights (after one real step)."""
+    from lowmem_tpu.config import load_recipe
+    from lowmem_tpu.config.devices import DEVICES
+    from lowmem_tpu.memory.compiler import hbm_allocations
+    from lowmem_tpu.memory.measure import spawn_step
+
+    recipe = load_recipe(TINY, ["train.global_batch_size=16"])
+    placeholder = tpu_compile.compile_recipe(recipe, DEVICES["v5e-4"], keep=tmp_path / "placeholders")
+    # The real step 2: weights materialized, optimizer state made by step 1 (which really ran).
+    dump = tmp_path / "real" / "trace"
+    dump.mkdir(parents=True)
+    env = {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4", "XLA_FLAGS": tpu_compile.TRACE_FLAGS.format(dir=dump)}
+    overrides = ["runtime.device=cpu", "runtime.num_cpu_devices=4", "runtime.compile_cache_dir=null"]
+    record = spawn_step("compile", recipe, overrides, 2, env | {"LOWMEM_DUMP_DIR": str(dump)}, 600)
+    step = max(record["programs"], key=lambda name: (dump / name).stat().st_size)
+    module = next(dump.glob(step.split(".cpu_after")[0] + ".before_optimizations.hlo.pb"))
+    request = {
+        "module": str(module),
+        "module_text": str(module).removesuffix(".hlo.pb") + ".txt",
+        "topology": "v5e:2x2",
+        "host_bounds": [2, 2, 1],
+        "devices": 4,
+        "placeholders": 0,
+        "strategy": "fsdp",
+    }
+    tpu = tmp_path / "real" / "tpu"
+    tpu.mkdir()
+    real = tpu_compile._compile(request, tmp_path / "real", tpu, 600)
+    hbm = hbm_allocations(tpu_compile._buffer_assignment(tpu))
+    stats = real["stats"]
+    assert placeholder.arguments == stats["argument_size_in_bytes"]
+    assert placeholder.aliased == stats["alias_size_in_bytes"]
+    assert placeholder.outputs == stats["output_size_in_bytes"]
+    assert placeholder.temporaries == pytest.approx(hbm.temporaries, rel=0.05)
+
+
+def test_the_fit_arithmetic_and_a_refusal_read_as_does_not_fit():
+    base = TpuCompile("v5e-1", "v5e:1x1", 1, 100, "0.0.21", "TPU v5 lite", 1.0, 2.0, 0, 3, 2)
+    ok = replace(base, arguments=40, outputs=30, aliased=25, temporaries=50)
+    assert ok.needed == 95 and ok.fits
+    assert not replace(ok, temporaries=56).fits  # 101 > 100: outputs count, though the compiler's refusal does not
+    message = (
+        "RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space hbm. "
+        "Used 20.00G of 15.75G hbm. Exceeded hbm capacity by 4.25G."
+    )
+    refused = replace(base, capacity=int(15.75 * 2**30), refused=out_of_memory(message))
+    assert not refused.fits and refused.needed == 20 * 2**30
+    text = format_compile(refused, 10 * 2**30, {}, "chunked loss [train.chunked_loss=true]")
+    assert "does not fit: the TPU compiler asks for 20.00 GiB of 15.75 GiB hbm" in text
+    assert "next: chunked loss [train.chunked_loss=true]" in text
+
+
+def test_module_header_and_placeholder_sharding_rules():
+    header = "HloModule SyncTensorsGraph.1, buffer_donor={ (0, {}), (3, {}), (12, {}) }, entry_computation_layout={}"
+    assert buffer_donors(header) == [0, 3, 12]
+    assert buffer_donors("HloModule SyncTensorsGraph.1, entry_computation_layout={}") == []
+    assert fsdp_sharding([3200, 8640], 8, "fsdp") == "{devices=[1,8]0,1,2,3,4,5,6,7}"
+    assert fsdp_sharding([32000, 3200], 4, "fsdp") == "{devices=[4,1]0,1,2,3}"
+    assert fsdp_sharding([16, 16], 4, "fsdp") == "{devices=[4,1]0,1,2,3}"  # the first largest, as FSDPv2
+    assert fsdp_sharding([3200], 1, "fsdp") == fsdp_sharding([3200], 8, "replicated") == "{replicated}"
+
+
+def test_bad_input_exits_2_with_the_fix(monkeypatch):
+    unknown = cli("memory", TINY, "--compile", "--device", "v9-8")
+    assert unknown.returncode == 2 and "unknown device 'v9-8'" in unknown.stderr and "v5e-8" in unknown.stderr
+    no_target = cli("memory", TINY, "--compile")
+    assert no_target.returncode == 2 and "name one with --device" in no_target.stderr
+    legacy = cli("memory", TINY, "--compile", "--device", "v3-8")
+    assert legacy.returncode == 2 and "no v3-8" in legacy.stderr
+    split = cli("memory", TINY, "train.global_batch_size=12", "--compile", "--device", "v5e-8")
+    assert split.returncode == 2 and "12" in split.stderr and "Traceback" not in split.stderr
+    with pytest.raises(UserError, match=r"unknown device 'nope'"):
+        compile_target("nope")
+    monkeypatch.setattr(tpu_compile.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(UserError, match=r"\.\[compiler\]"):
+        tpu_compile.require_compiler()
