@@ -11,6 +11,8 @@ buffers, and XLA may schedule a program it compiled on a TPU differently at run 
 
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -55,6 +57,7 @@ class TpuCompile:
     scratch: int = 0  # on-chip memory (VMEM, SMEM, ...): the other colours, not HBM
     generated_code: int = 0
     cost: dict[str, float] = field(default_factory=dict)
+    compiler_stats: dict[str, int] = field(default_factory=dict)  # get_compiled_memory_stats(), as reported
     refused: OutOfMemory | None = None
     error: str | None = None
 
@@ -87,66 +90,105 @@ def require_compiler() -> None:
         raise UserError(f"--compile needs the TPU compiler ({', '.join(missing)} not installed): {EXTRA}")
 
 
-def compile_recipe(recipe: Recipe, device: Device, timeout: float = 3600, keep: Path | None = None) -> TpuCompile:
-    """Trace the recipe's steady step on ``device.devices`` CPU devices and compile it for ``device``."""
+@dataclass(frozen=True)
+class TracedStep:
+    """The steady step torch_xla handed the CPU backend, ready for the TPU compiler."""
+
+    request: dict[str, Any]  # what xla.tpu_compiler reads: the module, the topology, the placeholders
+    trace_seconds: float
+    host_peak_rss_bytes: int
+    key: str  # the program, the target, libtpu and our compile step: equal keys compile alike
+
+
+def trace_step(recipe: Recipe, device: Device, work: Path, timeout: float = 3600) -> TracedStep:
+    """Trace the recipe's steady step on ``device.devices`` CPU devices, weights as placeholders, into ``work``."""
     from lowmem_tpu.memory.measure import spawn_step
 
-    require_compiler()
     n = device.devices
+    dump = work / "trace"
+    dump.mkdir(parents=True, exist_ok=True)
+    overrides = ["runtime.device=cpu", f"runtime.num_cpu_devices={n}", "runtime.compile_cache_dir=null"]
+    env = {
+        "PJRT_DEVICE": "CPU",
+        "CPU_NUM_DEVICES": str(n),
+        "XLA_FLAGS": TRACE_FLAGS.format(dir=dump),
+        "LOWMEM_DUMP_DIR": str(dump),
+    }
+    started = time.perf_counter()
+    traced = spawn_step("trace", recipe, overrides, 1, env, timeout)
+    request = {
+        "module": traced["module"],
+        "module_text": traced["module_text"],
+        "topology": device.topology,
+        "host_bounds": list(device.host_bounds),
+        "devices": n,
+        "placeholders": traced["placeholders"],
+        "strategy": recipe.sharding.strategy,
+    }
+    digest = hashlib.sha256(Path(traced["module"]).read_bytes())
+    digest.update(json.dumps({k: v for k, v in request.items() if not k.startswith("module")}).encode())
+    digest.update(Path(tpu_compiler_source()).read_bytes())
+    digest.update(_package_version("libtpu").encode() + _package_version("jax").encode())
+    seconds = round(time.perf_counter() - started, 1)  # the whole trace, the subprocess's start included
+    return TracedStep(request, seconds, traced.get("host_peak_rss_bytes", 0), digest.hexdigest())
+
+
+def compile_traced(traced: TracedStep, device: Device, work: Path, timeout: float = 3600) -> TpuCompile:
+    """Compile a traced step with libtpu for ``device`` and read the figures of one chip."""
+    tpu_dir = work / "tpu"
+    tpu_dir.mkdir(parents=True, exist_ok=True)
+    compiled = _compile(traced.request, work, tpu_dir, timeout)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    base = {
+        "device": device.name,
+        "topology": device.topology or "",
+        "chips": device.devices,
+        "capacity": device.hbm_bytes,
+        "libtpu": compiled.get("libtpu", "unknown"),
+        "kind": compiled.get("kind", ""),
+        "trace_seconds": traced.trace_seconds,
+        "compile_seconds": compiled.get("compile_seconds", 0.0),
+        "host_peak_rss_bytes": max(children, traced.host_peak_rss_bytes),
+        "placeholders": traced.request["placeholders"],
+        "donated": compiled.get("donors", 0),
+    }
+    if "error" in compiled:
+        refused = out_of_memory(compiled["error"])
+        return TpuCompile(**base, refused=refused, error=None if refused else compiled["error"])
+    stats = compiled["stats"]
+    hbm = hbm_allocations(_buffer_assignment(tpu_dir))
+    return TpuCompile(
+        **base,
+        arguments=stats["argument_size_in_bytes"],
+        outputs=stats["output_size_in_bytes"],
+        aliased=stats["alias_size_in_bytes"],
+        temporaries=hbm.temporaries,
+        scratch=hbm.scratch,
+        generated_code=stats["generated_code_size_in_bytes"],
+        cost=compiled.get("cost", {}),
+        compiler_stats=stats,
+    )
+
+
+def compile_recipe(recipe: Recipe, device: Device, timeout: float = 3600, keep: Path | None = None) -> TpuCompile:
+    """Trace the recipe's steady step on ``device.devices`` CPU devices and compile it for ``device``."""
+    require_compiler()
     with tempfile.TemporaryDirectory(prefix="lowmem-tpu-compile-") as tmp:
         work = keep or Path(tmp)
-        trace_dir, tpu_dir = work / "trace", work / "tpu"
-        for d in (trace_dir, tpu_dir):
-            d.mkdir(parents=True, exist_ok=True)
-        overrides = ["runtime.device=cpu", f"runtime.num_cpu_devices={n}", "runtime.compile_cache_dir=null"]
-        env = {
-            "PJRT_DEVICE": "CPU",
-            "CPU_NUM_DEVICES": str(n),
-            "XLA_FLAGS": TRACE_FLAGS.format(dir=trace_dir),
-            "LOWMEM_DUMP_DIR": str(trace_dir),
-        }
-        started = time.perf_counter()
-        traced = spawn_step("trace", recipe, overrides, 1, env, timeout)
-        traced["trace_seconds"] = round(time.perf_counter() - started, 1)  # the whole trace, start-up included
-        request = {
-            "module": traced["module"],
-            "module_text": traced["module_text"],
-            "topology": device.topology,
-            "host_bounds": list(device.host_bounds),
-            "devices": n,
-            "placeholders": traced["placeholders"],
-            "strategy": recipe.sharding.strategy,
-        }
-        compiled = _compile(request, work, tpu_dir, timeout)
-        children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
-        base = {
-            "device": device.name,
-            "topology": device.topology or "",
-            "chips": n,
-            "capacity": device.hbm_bytes,
-            "libtpu": compiled.get("libtpu", "unknown"),
-            "kind": compiled.get("kind", ""),
-            "trace_seconds": traced.get("trace_seconds", 0.0),
-            "compile_seconds": compiled.get("compile_seconds", 0.0),
-            "host_peak_rss_bytes": max(children, traced.get("host_peak_rss_bytes", 0)),
-            "placeholders": traced["placeholders"],
-            "donated": compiled.get("donors", 0),
-        }
-        if "error" in compiled:
-            refused = out_of_memory(compiled["error"])
-            return TpuCompile(**base, refused=refused, error=None if refused else compiled["error"])
-        stats = compiled["stats"]
-        hbm = hbm_allocations(_buffer_assignment(tpu_dir))
-        return TpuCompile(
-            **base,
-            arguments=stats["argument_size_in_bytes"],
-            outputs=stats["output_size_in_bytes"],
-            aliased=stats["alias_size_in_bytes"],
-            temporaries=hbm.temporaries,
-            scratch=hbm.scratch,
-            generated_code=stats["generated_code_size_in_bytes"],
-            cost=compiled.get("cost", {}),
-        )
+        return compile_traced(trace_step(recipe, device, work, timeout), device, work, timeout)
+
+
+def tpu_compiler_source() -> str:
+    import lowmem_tpu.xla
+
+    return str(Path(lowmem_tpu.xla.__file__).with_name("tpu_compiler.py"))
+
+
+def _package_version(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "none"
 
 
 def _compile(request: dict[str, Any], work: Path, dump: Path, timeout: float) -> dict[str, Any]:
@@ -259,8 +301,13 @@ def format_compile(result: TpuCompile, planned_peak: int | None, cost: dict[str,
 # ----------------------------------------------------------------------------- beside the plan
 
 
-def compile_beside_plan(recipe: Recipe, device_name: str) -> tuple[TpuCompile, dict[str, Any], str]:
-    """``memory --compile``: the compiler's figures, their JSON (the plan and cost beside them), the report."""
+def compile_beside_plan(
+    recipe: Recipe, device_name: str, result: TpuCompile | None = None
+) -> tuple[TpuCompile, dict[str, Any], str]:
+    """``memory --compile``: the compiler's figures, their JSON (the plan and cost beside them), the report.
+
+    ``result``: figures compiled already (the recipes script), else the step is traced and compiled now.
+    """
     from dataclasses import replace
 
     from lowmem_tpu.memory.advise import next_steps, plan_recipe
@@ -271,7 +318,7 @@ def compile_beside_plan(recipe: Recipe, device_name: str) -> tuple[TpuCompile, d
     device = compile_target(device_name)
     config = require_config(recipe)
     report = plan_recipe(recipe, device.name, config)  # also refuses a batch the chips do not split
-    result = compile_recipe(recipe, device)
+    result = result or compile_recipe(recipe, device)
     plan = report.plan
     tokens = recipe.train.global_batch_size * recipe.data.max_length
     per_token = flops_per_token(
