@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 STAMP := $(VENV)/.installed-$(shell cat constraints.txt pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: demo test lint format install install-scan clean
+.PHONY: demo test lint format install install-scan tpu-compile-check clean
 
 install: $(STAMP)
 
@@ -28,6 +28,11 @@ test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/pytest -q
+
+# Every shipped recipe's step traced here and checked against the TPU compiler's verdict for its target
+# (a program byte for byte the one in docs/tpu_compile.json keeps its figures; any other is compiled).
+tpu-compile-check: $(STAMP)
+	$(VENV)/bin/python scripts/tpu_compile_recipes.py --check
 
 lint format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .

@@ -27,7 +27,7 @@ from lowmem_tpu.config.devices import GiB, device_for, host_memory
 from lowmem_tpu.config.platform import tpu_present
 from lowmem_tpu.console import size
 
-CONSTRAINTS = Path(__file__).resolve().parents[1] / "constraints.txt"
+CONSTRAINTS = Path(__file__).resolve().with_name("constraints.txt")  # shipped with the package, any install
 CORE = ("torch", "torch_xla", "transformers", "trl", "peft", "datasets", "accelerate", "protobuf", "sentencepiece")
 # The embedded tiny recipe, in bf16, on whatever devices are here, without its held-out evaluation.
 TRAIN_OVERRIDES = [
@@ -89,6 +89,57 @@ def check_versions(pins: dict[str, str]) -> list[Check]:
     return checks
 
 
+# Optional pieces and what needs them: each is checked against constraints.txt when installed.
+EXTRAS = {
+    "libtpu": "the TPU runtime (on a TPU) and the TPU compiler (`memory --compile`)",
+    "jax": "flash attention's Pallas kernel (on a TPU), sharding.scan_layers and `memory --compile`",
+    "jaxlib": "jax",
+    "torchax": "sharding.scan_layers",
+    "tpu-info": "HBM per chip under SPMD (on a TPU)",
+}
+
+
+def check_extras(pins: dict[str, str]) -> list[Check]:
+    """The optional packages against their pins: a different version is a warning, a missing one said once."""
+    checks = []
+    for package, needed_by in EXTRAS.items():
+        installed, pinned = _version(package), pins.get(package)
+        if installed is None:
+            checks.append(Check(package, "skip", f"not installed (needed for {needed_by})"))
+        elif pinned and installed != pinned:
+            detail = f"{installed}, constraints.txt pins {pinned} (for {needed_by})"
+            checks.append(Check(package, "warn", detail, f"pip install -c constraints.txt {package}=={pinned}"))
+        else:
+            checks.append(Check(package, "ok", installed))
+    return checks
+
+
+def check_tpu_compiler(timeout: float = 300) -> Check:
+    """One tiny program compiled for v5e:1x1 by libtpu's compile-only client (`memory --compile` works here)."""
+    if _version("jax") is None or _version("libtpu") is None:
+        fix = 'pip install -c constraints.txt -e ".[compiler]" (or "lowmem-tpu[compiler]")'
+        return Check("TPU compiler", "skip", "not installed: `memory --compile` is unavailable", fix)
+    with tempfile.TemporaryDirectory(prefix="lowmem-doctor-probe-") as tmp:
+        result = Path(tmp) / "probe.json"
+        command = [sys.executable, "-m", "lowmem_tpu.xla.tpu_compiler", "--probe", str(result)]
+        env = os.environ | {"TF_CPP_MIN_LOG_LEVEL": "3"}
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+        except subprocess.TimeoutExpired:
+            return Check("TPU compiler", "warn", f"a tiny compile took over {timeout:.0f} s")
+        if not result.exists():
+            tail = " | ".join(line for line in done.stderr.splitlines()[-3:] if line.strip())
+            return Check(
+                "TPU compiler",
+                "warn",
+                f"a tiny compile failed: {tail}",
+                "pip install -c constraints.txt libtpu jax jaxlib",
+            )
+        probe = json.loads(result.read_text())
+    detail = f"libtpu {probe['libtpu']} compiled a program for {probe['kind']} (v5e:1x1) in {probe['seconds']} s"
+    return Check("TPU compiler", "ok", detail + ": `lowmem-tpu memory RECIPE --compile` works here")
+
+
 def check_platform() -> tuple[list[Check], dict[str, Any]]:
     """The TPU chips here, who holds them, libtpu and tpu-info, PJRT_DEVICE; and facts for the report."""
     from lowmem_tpu.xla.tpu import chip_owners, local_chips
@@ -104,7 +155,6 @@ def check_platform() -> tuple[list[Check], dict[str, Any]]:
     checks: list[Check] = []
     if chips.generation is None and not tpu_present():
         checks.append(Check("platform", "ok", "no TPU here: the CPU backend (virtual XLA devices)"))
-        checks.append(Check("libtpu", "skip", "not needed on the CPU backend"))
         return checks, facts
     vm = device_for(chips.generation.name, chips.xla_devices) if chips.generation else None
     what = f"{chips.count} x TPU {chips.generation.name} chip(s) ({chips.source})" if chips.generation else "a TPU"
@@ -120,11 +170,20 @@ def check_platform() -> tuple[list[Check], dict[str, Any]]:
         checks.append(Check("TPU free", "fail", detail, fix))
     libtpu = _version("libtpu") or _version("libtpu-nightly")
     fix = 'pip install -c constraints.txt "torch_xla[tpu]"'
-    checks.append(Check("libtpu", "ok", libtpu) if libtpu else Check("libtpu", "fail", "not installed", fix))
+    found = Check("TPU runtime", "ok", f"libtpu {libtpu}")
+    checks.append(found if libtpu else Check("TPU runtime", "fail", "libtpu is not installed", fix))
     info = _version("tpu-info")
     detail = "not installed: no HBM figures under SPMD"
     checks.append(Check("tpu-info", "ok", info) if info else Check("tpu-info", "warn", detail, "pip install tpu-info"))
     return checks, facts
+
+
+def _flash_check() -> Check:
+    """On a TPU: torch_xla's flash kernel is traced by jax (torch_xla/experimental/custom_kernel.py imports it)."""
+    if _version("jax") is None:
+        fix = 'pip install -c constraints.txt -e ".[tpu]" (brings jax and jaxlib, torch_xla[pallas]\'s pins)'
+        return Check("flash attention", "fail", "jax is not installed: model.attn_implementation=flash cannot run", fix)
+    return Check("flash attention", "ok", f"jax {_version('jax')}: torch_xla's Pallas kernels can be traced")
 
 
 def _command(pid: int) -> str:
@@ -273,13 +332,16 @@ def run_doctor(out: Path, train: bool = True, echo: Any = print) -> dict[str, An
             echo(f"  {check.status:<5} {check.name:<24}{check.detail}{fix}")
 
     echo("installation")
-    add(check_versions(pinned_versions()))
+    pins = pinned_versions()
+    add(check_versions(pins))
+    add(check_extras(pins))
     echo("platform")
     checks, facts = check_platform()
     report["facts"] |= facts
     add(checks)
     on_tpu = facts.get("chip_generation") is not None or tpu_present()
     add(check_host("tpu" if on_tpu else "cpu"))
+    add([check_tpu_compiler()] if not on_tpu else [_flash_check()])
     if train:
         echo(f"training a tiny bf16 LoRA model on every {'TPU' if on_tpu else 'CPU-backend'} device (about a minute)")
         checks, facts = check_training(on_tpu)

@@ -24,7 +24,11 @@ def test_doctor_passes_here_and_writes_its_report(tmp_path):
     report = json.loads(out.read_text())
     checks = {c["name"]: c for c in report["checks"]}
     assert report["ok"] and checks["torch_xla"]["detail"] == "2.9.0"
-    assert checks["platform"]["detail"].startswith("no TPU here") and checks["libtpu"]["status"] == "skip"
+    assert checks["platform"]["detail"].startswith("no TPU here") and "TPU runtime" not in checks
+    # The pinned optional pieces, each against constraints.txt, and the TPU compiler without a TPU.
+    assert checks["libtpu"] == {"name": "libtpu", "status": "ok", "detail": "0.0.21", "fix": ""}
+    assert checks["jax"]["detail"] == checks["jaxlib"]["detail"] == "0.7.1"
+    assert checks["TPU compiler"]["status"] == "ok" and "TPU v5 lite" in checks["TPU compiler"]["detail"]
     assert checks["training"]["status"] == "ok" and "went down" in checks["training"]["detail"]
     assert checks["devices"]["detail"].startswith("4 x cpu")
     training = report["training"]

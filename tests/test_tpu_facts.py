@@ -183,6 +183,7 @@ def test_doctor_passes_on_a_tpu(tmp_path):  # pragma: no cover - TPU only
     report = json.loads(out.read_text())
     status = {c["name"]: c["status"] for c in report["checks"]}
     assert status["MFU"] == "ok" and status["memory per device"] == "ok" and status["compile cache reuse"] == "ok"
+    assert status["TPU runtime"] == status["flash attention"] == status["libtpu"] == "ok"
 
 
 def test_log_lines_carry_memory_per_device():

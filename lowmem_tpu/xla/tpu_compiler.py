@@ -17,6 +17,7 @@ figures without an error, and are undone here:
   of that shape, and the count of such arguments must equal the placeholders traced.
 
     python -m lowmem_tpu.xla.tpu_compiler REQUEST.json RESULT.json
+    python -m lowmem_tpu.xla.tpu_compiler --probe RESULT.json    (one tiny compile for v5e:1x1: doctor)
 """
 
 from __future__ import annotations
@@ -208,10 +209,42 @@ def _cost(executable: Any) -> dict[str, float]:
     return {k: float(v) for k, v in (analysis or {}).items() if "{" not in k and isinstance(v, int | float)}
 
 
+PROBE = """
+module @probe {
+  func.func public @main(%x: tensor<8x128xf32>) -> tensor<8x128xf32> {
+    %y = stablehlo.add %x, %x : tensor<8x128xf32>
+    return %y : tensor<8x128xf32>
+  }
+}
+"""
+
+
+def probe() -> dict[str, Any]:
+    """One tiny program compiled for Colab's v5e-1 (v5e:1x1): is the TPU compiler usable here?"""
+    from jax._src import compiler
+    from jax._src.lib import _jax
+
+    started = time.perf_counter()
+    devices = topology_devices("v5e:1x1", [1, 1, 1])
+    options = compiler.get_compile_options(num_replicas=1, num_partitions=1, device_assignment=[[devices[0].id]])
+    executable = devices[0].client.compile(PROBE.encode(), _jax.DeviceList(tuple(devices)), options)
+    stats = executable.get_compiled_memory_stats()
+    seconds = round(time.perf_counter() - started, 2)
+    return {
+        "libtpu": libtpu_version(),
+        "kind": devices[0].device_kind,
+        "seconds": seconds,
+        "argument_bytes": int(stats.argument_size_in_bytes),
+    }
+
+
 def main(request_path: str, result_path: str) -> None:
-    request = json.loads(Path(request_path).read_text())
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")  # no metadata server here: do not wait for one
-    record = compile_module(request)
+    # libtpu takes /tmp/libtpu_lockfile for the chips; a compile-only client opens none, so a second
+    # compile (or a training run holding the TPU) must not refuse it ("Internal error when accessing
+    # libtpu multi-process lockfile", measured with two compiles at once).
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    record = probe() if request_path == "--probe" else compile_module(json.loads(Path(request_path).read_text()))
     Path(result_path).write_text(json.dumps(record))
 
 
