@@ -192,19 +192,62 @@ def _package_version(name: str) -> str:
 
 
 def _compile(request: dict[str, Any], work: Path, dump: Path, timeout: float) -> dict[str, Any]:
+    """:mod:`lowmem_tpu.xla.tpu_compiler` in a subprocess, stopped before it exhausts the host's RAM."""
     (work / "request.json").write_text(json.dumps(request))
     command = [sys.executable, "-m", "lowmem_tpu.xla.tpu_compiler", str(work / "request.json"), str(work / "tpu.json")]
     flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump}".strip()
     env = os.environ | {"XLA_FLAGS": flags, "TF_CPP_MIN_LOG_LEVEL": "3", "JAX_PLATFORMS": "cpu"}
-    try:
-        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        raise UserError(f"the TPU compiler took over {timeout:.0f} s") from None
+    with open(work / "tpu.log", "w") as log:
+        child = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+        peak = _watch(child, timeout)
     result = work / "tpu.json"
+    if peak is not None:
+        raise UserError(
+            f"the TPU compiler needed more host RAM than this machine has (stopped at {size(peak)}, "
+            f"{size(_available())} left): compile on a machine with more memory, or a smaller program "
+            "(sharding.scan_layers=true compiles one layer body)"
+        )
     if not result.exists():
-        tail = "\n".join(done.stderr.splitlines()[-20:])
-        raise UserError(f"the TPU compiler failed (exit {done.returncode}):\n{tail}")
+        tail = "\n".join((work / "tpu.log").read_text().splitlines()[-20:])
+        raise UserError(f"the TPU compiler failed (exit {child.returncode}):\n{tail}")
     return json.loads(result.read_text())
+
+
+LOW_MEMORY = 1 * 2**30  # stop the compiler when the host has less than this left (before the OOM killer)
+
+
+def _watch(child: subprocess.Popen, timeout: float) -> int | None:
+    """Wait for ``child``; kill it at ``timeout`` (UserError) or when the host runs out of RAM (its RSS back)."""
+    started = time.monotonic()
+    while child.poll() is None:
+        if time.monotonic() - started > timeout:
+            child.kill()
+            child.wait()
+            raise UserError(f"the TPU compiler took over {timeout:.0f} s")
+        if _available() < LOW_MEMORY:
+            rss = _rss(child.pid)
+            child.kill()
+            child.wait()
+            return rss
+        time.sleep(0.5)
+    return None
+
+
+def _available() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 2**62
+
+
+def _rss(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 def _buffer_assignment(dump: Path) -> Path:
