@@ -53,6 +53,14 @@ def cross_problems(recipe: Recipe) -> list[tuple[tuple[str, ...], str]]:
             '("Only interpret mode is supported on CPU backend"); use chunked (the same memory saving, any backend)'
         )
         problems.append((("model.attn_implementation", "runtime.device"), message))
+    if model.attn_implementation == "flash" and not flash_tiles(data.max_length):
+        below, above = flash_lengths_near(data.max_length)
+        message = (
+            f"data.max_length: {data.max_length} cannot be tiled by flash attention's backward pass (torch_xla 2.9 "
+            "picks blocks of min(1024, L), min(512, L) and min(256, L), which must divide L: L <= 256, 512 or a "
+            f"multiple of 1024); use {below} or {above}, or model.attn_implementation: chunked (any length)"
+        )
+        problems.append((("data.max_length", "model.attn_implementation"), message))
     if data.packing and recipe.sharding.scan_layers and model.attn_implementation in ("chunked", "flash"):
         message = (
             f"data.packing: packed rows reach {model.attn_implementation} attention as segment ids, which the "
@@ -75,6 +83,22 @@ def cross_problems(recipe: Recipe) -> list[tuple[tuple[str, ...], str]]:
         problems.append((("train.eval_steps", "data.eval_path", "data.eval_fraction"), message))
     problems += _data_problems(data)
     return problems
+
+
+def flash_tiles(length: int) -> bool:
+    """Whether torch_xla 2.9's flash backward tiles this sequence length.
+
+    ``experimental/custom_kernel.py`` gives the dq kernel blocks of min(1024, L), min(512, L) and
+    min(256, L), the dkv kernel min(512, L); JAX's Pallas kernel refuses a block that does not divide L.
+    """
+    return all(length % min(block, length) == 0 for block in (1024, 512, 256))
+
+
+def flash_lengths_near(length: int) -> tuple[int, int]:
+    """The nearest lengths below and above ``length`` that flash's backward tiles."""
+    below = next(n for n in range(length, 0, -1) if flash_tiles(n))
+    above = next(n for n in range(length, 4 * length + 1025) if flash_tiles(n))
+    return below, above
 
 
 def target_problem(recipe: Recipe) -> str | None:

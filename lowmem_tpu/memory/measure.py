@@ -157,7 +157,8 @@ def compile_step(
     with tempfile.TemporaryDirectory(prefix="lowmem-dump-") as tmp:
         dump = keep_dump or Path(tmp)
         dump.mkdir(parents=True, exist_ok=True)
-        env = {"PJRT_DEVICE": platform, "XLA_FLAGS": dump_flags(dump, platform), "LOWMEM_DUMP_DIR": str(dump)}
+        env = {"PJRT_DEVICE": platform, "XLA_FLAGS": with_user_flags(dump_flags(dump, platform))}
+        env["LOWMEM_DUMP_DIR"] = str(dump)
         if platform == "CPU":
             env["CPU_NUM_DEVICES"] = str(devices)
         record = spawn_step("compile", recipe, overrides, 2 if steady else 1, env, timeout)
@@ -223,6 +224,11 @@ def run_steps(recipe: Recipe, steps: int, timeout: float = 7200) -> TpuRun:
         micro_batch_size=record["micro_batch_size"],
         out_of_memory=OutOfMemory(**record["out_of_memory"]) if record.get("out_of_memory") else None,
     )
+
+
+def with_user_flags(flags: str) -> str:
+    """``flags`` after the user's own XLA_FLAGS (added to, never replaced; a later flag wins in XLA)."""
+    return f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()
 
 
 def load_recipe_text(recipe: Recipe, overrides: list[str]) -> Recipe:

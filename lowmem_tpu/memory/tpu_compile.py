@@ -102,7 +102,7 @@ class TracedStep:
 
 def trace_step(recipe: Recipe, device: Device, work: Path, timeout: float = 3600) -> TracedStep:
     """Trace the recipe's steady step on ``device.devices`` CPU devices, weights as placeholders, into ``work``."""
-    from lowmem_tpu.memory.measure import spawn_step
+    from lowmem_tpu.memory.measure import spawn_step, with_user_flags
 
     n = device.devices
     dump = work / "trace"
@@ -111,7 +111,7 @@ def trace_step(recipe: Recipe, device: Device, work: Path, timeout: float = 3600
     env = {
         "PJRT_DEVICE": "CPU",
         "CPU_NUM_DEVICES": str(n),
-        "XLA_FLAGS": TRACE_FLAGS.format(dir=dump),
+        "XLA_FLAGS": with_user_flags(TRACE_FLAGS.format(dir=dump)),
         "LOWMEM_DUMP_DIR": str(dump),
     }
     started = time.perf_counter()
@@ -195,8 +195,9 @@ def _compile(request: dict[str, Any], work: Path, dump: Path, timeout: float) ->
     """:mod:`lowmem_tpu.xla.tpu_compiler` in a subprocess, stopped before it exhausts the host's RAM."""
     (work / "request.json").write_text(json.dumps(request))
     command = [sys.executable, "-m", "lowmem_tpu.xla.tpu_compiler", str(work / "request.json"), str(work / "tpu.json")]
-    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump}".strip()
-    env = os.environ | {"XLA_FLAGS": flags, "TF_CPP_MIN_LOG_LEVEL": "3", "JAX_PLATFORMS": "cpu"}
+    from lowmem_tpu.memory.measure import with_user_flags
+
+    env = os.environ | {"XLA_FLAGS": with_user_flags(f"--xla_dump_to={dump}"), "TF_CPP_MIN_LOG_LEVEL": "3"}
     with open(work / "tpu.log", "w") as log:
         child = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
         peak = _watch(child, timeout)
