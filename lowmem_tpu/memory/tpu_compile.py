@@ -198,6 +198,7 @@ def _compile(request: dict[str, Any], work: Path, dump: Path, timeout: float) ->
     from lowmem_tpu.memory.measure import with_user_flags
 
     env = os.environ | {"XLA_FLAGS": with_user_flags(f"--xla_dump_to={dump}"), "TF_CPP_MIN_LOG_LEVEL": "3"}
+    env["JAX_PLATFORMS"] = "cpu"  # jax's default backend: never the chips (a run may hold them); topologies need none
     with open(work / "tpu.log", "w") as log:
         child = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
         peak = _watch(child, timeout)
