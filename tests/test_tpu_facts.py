@@ -106,9 +106,22 @@ def test_the_compilers_refusal_is_read_into_figures():
     )
     oom = out_of_memory(message)
     assert oom.memory_space == "hbm" and oom.needed_bytes == int(31.2 * GiB) and oom.capacity_bytes == int(15.75 * GiB)
-    assert oom.describe() == "does not fit: the compiler asks for 31.2 GiB of 15.8 GiB hbm"
+    assert oom.describe() == "does not fit: the compiler asks for 31.20 GiB of 15.75 GiB hbm" and oom.when == "compile"
     small = out_of_memory("Ran out of memory in memory space vmem. Used 32.42M of 16.00M vmem.")
     assert small.memory_space == "vmem" and small.needed_bytes == int(32.42 * 2**20)
+    assert "on-chip scratch (VMEM, not HBM)" in small.describe() and "hbm" not in small.describe()
+    # At run time (the program compiled, its buffers could not be had): the runtime's figures, as libtpu words them.
+    ran = out_of_memory(
+        "RuntimeError: Bad StatusOr access: RESOURCE_EXHAUSTED: Error allocating device buffer: Attempting to "
+        "allocate 129.50M. That was not possible. There are 78.17M free.; (0x0x0_HBM0)"
+    )
+    assert ran.when == "run" and ran.needed_bytes == int(129.5 * 2**20) and ran.capacity_bytes == int(78.17 * 2**20)
+    assert ran.describe().startswith("does not fit: running the step, the TPU could not allocate 0.13 GiB")
+    reserve = out_of_memory(
+        "RESOURCE_EXHAUSTED: Attempting to reserve 10.51G at the bottom of memory. That was not "
+        "possible. There are 8.97G free, 0B reserved, and 8.97G reservable."
+    )
+    assert reserve.when == "run" and reserve.needed_bytes == int(10.51 * GiB)
     assert out_of_memory("RuntimeError: something else") is None
 
 

@@ -28,38 +28,53 @@ _LIVE = re.compile(r"^\s+(\S+?)\{[^}]*\}: (\d+) bytes", re.M)
 # The TPU compiler's refusal, e.g. "RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of
 # memory in memory space hbm. Used 21.95G of 15.48G hbm. Exceeded hbm capacity by 6.47G."
 _EXHAUSTED = re.compile(r"Ran out of memory in memory space (\w+)\. Used ([\d.]+)([KMGT]?)i?B? of ([\d.]+)([KMGT]?)")
+# The TPU runtime's, when a program the compiler accepted cannot get its buffers when it runs (other
+# live tensors, fragmentation): "RESOURCE_EXHAUSTED: Error allocating device buffer: Attempting to
+# allocate 129.50M. That was not possible. There are 78.17M free.; (0x0x0_HBM0)", or "Attempting to
+# reserve 10.51G at the bottom of memory. That was not possible. There are 8.97G free, ...".
+_RUNTIME = re.compile(r"Attempting to (?:allocate|reserve) ([\d.]+)([KMGT]?).*?There are ([\d.]+)([KMGT]?) free")
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
 @dataclass(frozen=True)
 class OutOfMemory:
-    """The compiler's RESOURCE_EXHAUSTED for a program: what it needs and what the device has."""
+    """A RESOURCE_EXHAUSTED for a program: what it needs and what the device has.
 
-    memory_space: str  # "hbm" (or "vmem", a kernel's scratch)
+    ``when`` is "compile" (the compiler's refusal: the program's needs against the chip's capacity) or
+    "run" (the runtime could not allocate a buffer: the request against what was free then).
+    """
+
+    memory_space: str  # "hbm", or "vmem" (a kernel's on-chip scratch)
     needed_bytes: int
     capacity_bytes: int
     message: str
+    when: str = "compile"
 
     def describe(self) -> str:
-        return (
-            f"does not fit: the compiler asks for {self.needed_bytes / 2**30:.1f} GiB of "
-            f"{self.capacity_bytes / 2**30:.1f} GiB {self.memory_space}"
-        )
+        need, have = f"{self.needed_bytes / 2**30:.2f} GiB", f"{self.capacity_bytes / 2**30:.2f} GiB"
+        if self.when == "run":
+            return f"does not fit: running the step, the TPU could not allocate {need} of HBM ({have} free)"
+        if self.memory_space != "hbm":
+            return (
+                f"does not fit: a kernel's on-chip scratch ({self.memory_space.upper()}, not HBM) needs {need} of "
+                f"{have}: use smaller kernel blocks or a shorter data.max_length"
+            )
+        return f"does not fit: the compiler asks for {need} of {have} hbm"
 
 
 def out_of_memory(error: str) -> OutOfMemory | None:
-    """The figures of a RESOURCE_EXHAUSTED compile error (None when ``error`` is something else)."""
-    match = _EXHAUSTED.search(error)
-    if match is None:
+    """The figures of a RESOURCE_EXHAUSTED error, at compile or at run time (None when ``error`` is something else)."""
+    compiled, ran = _EXHAUSTED.search(error), _RUNTIME.search(error)
+    if compiled is None and ran is None:
         return None
-    space, used, used_unit, limit, limit_unit = match.groups()
-    line = next((part for part in error.splitlines() if "Ran out of memory" in part), error)
-    return OutOfMemory(
-        space,
-        int(float(used) * _UNITS[used_unit]),
-        int(float(limit) * _UNITS[limit_unit]),
-        line.strip()[:400],
-    )
+    key = "Ran out of memory" if compiled else "Attempting to"
+    line = next((part for part in error.splitlines() if key in part), error).strip()[:400]
+    if compiled is not None:
+        space, used, used_unit, limit, limit_unit = compiled.groups()
+        return OutOfMemory(space, int(float(used) * _UNITS[used_unit]), int(float(limit) * _UNITS[limit_unit]), line)
+    asked, asked_unit, free, free_unit = ran.groups()  # type: ignore[union-attr]
+    needed, left = int(float(asked) * _UNITS[asked_unit]), int(float(free) * _UNITS[free_unit])
+    return OutOfMemory("hbm", needed, left, line, when="run")
 
 
 @dataclass(frozen=True)
