@@ -5,8 +5,15 @@ AdamW at lr 2e-5 applied to bf16 weights in place leaves most of them (and every
 unchanged. Here the optimizer owns an fp32 copy of every trainable weight, sharded like it. Each
 step it reads the bf16 gradients into the fp32 copies, updates those, and writes them back to the
 model rounded to bf16. The model still computes and gathers in bf16; the copies cost 4 bytes per
-trainable parameter, split over the devices like the weights. They are part of the optimizer's
-state dict, so checkpoints hold them and a resume continues from the exact fp32 values.
+trainable parameter, split over the devices like the weights. Checkpoints hold them
+(:func:`checkpoint_state`), so a resume continues from the exact fp32 values.
+
+They are kept out of the optimizer's own ``state_dict()``: accelerate's ``AcceleratedOptimizer``
+(accelerate 1.15, ``optimizer.py``) passes that dict through ``xm.send_cpu_data_to_device`` when it
+wraps the optimizer, and torch_xla 2.9's ``utils.for_each_instance_rewrite`` ``copy.copy``s every XLA
+tensor in it: a host round trip that rebuilds each one on the devices unsharded. For Open Llama 3B's
+13.7 GB of masters that is a full replicated copy on every chip at once (found tracing the full recipe
+with placeholders for the TPU compiler, which refused the copy).
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ from lowmem_tpu.model.attention import packed_inputs
 from lowmem_tpu.model.loss import add_chunked_loss
 from lowmem_tpu.model.names import ParamNames
 from lowmem_tpu.train import checkpoint as ckpt
-from lowmem_tpu.train.master import with_master_weights
+from lowmem_tpu.train.master import checkpoint_state, load_checkpoint_state, with_master_weights
 from lowmem_tpu.xla import runtime as rt
 from lowmem_tpu.xla.sharding import place_like, shard_like, wrap_model
 from lowmem_tpu.xla.transfer import to_host
@@ -272,7 +272,7 @@ class XlaSFTTrainer(SFTTrainer):
     def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
         step, compiles, started = self.state.global_step, rt.compile_count(), time.perf_counter()
         trainable = {n: p.detach() for n, p in self.names.params.items() if p.requires_grad}
-        host = to_host({"trainable": trainable, "optimizer": self.optimizer.state_dict()})
+        host = to_host({"trainable": trainable, "optimizer": checkpoint_state(self.optimizer)})
         bad = [n for n, v in host["trainable"].items() if not torch.isfinite(v).all()]
         if bad:
             raise NonFiniteError(f"step {step}: non-finite values in {bad[0]}; no checkpoint written")
@@ -300,7 +300,7 @@ class XlaSFTTrainer(SFTTrainer):
         if checkpoint is None:
             return
         path = Path(checkpoint)
-        self.optimizer.load_state_dict(torch.load(path / ckpt.OPTIMIZER, weights_only=True))
+        load_checkpoint_state(self.optimizer, torch.load(path / ckpt.OPTIMIZER, weights_only=True))
         for group in self.optimizer.param_groups:
             for param in group["params"]:
                 shard_like(param, param, self.runtime, self.recipe.sharding.strategy)  # master weights, if any
