@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from lowmem_tpu.config import Recipe
-from lowmem_tpu.config.devices import DEVICES, Device
+from lowmem_tpu.config.devices import DEVICES, Device, host_memory
 from lowmem_tpu.console import size
 from lowmem_tpu.errors import UserError
 from lowmem_tpu.memory.compiler import OutOfMemory, hbm_allocations, out_of_memory
@@ -205,9 +205,8 @@ def _compile(request: dict[str, Any], work: Path, dump: Path, timeout: float) ->
     result = work / "tpu.json"
     if peak is not None:
         raise UserError(
-            f"the TPU compiler needed more host RAM than this machine has (stopped at {size(peak)}, "
-            f"{size(_available())} left): compile on a machine with more memory, or a smaller program "
-            "(sharding.scan_layers=true compiles one layer body)"
+            f"the TPU compiler needed more host RAM than this machine has (stopped at {size(peak)} with less "
+            f"than {size(LOW_MEMORY)} of {size(host_memory())} left): compile on a machine with more memory"
         )
     if not result.exists():
         tail = "\n".join((work / "tpu.log").read_text().splitlines()[-20:])
