@@ -49,17 +49,29 @@ class _MasterWeights:
                 param.grad.zero_()
         super().zero_grad(set_to_none)  # type: ignore[misc]
 
-    def state_dict(self) -> dict[str, Any]:
-        state = super().state_dict()  # type: ignore[misc]
-        state[MASTERS] = [master.detach() for _, master in self.pairs]
-        return state
 
-    @torch.no_grad()
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        state_dict = dict(state_dict)
-        for (_, master), saved in zip(self.pairs, state_dict.pop(MASTERS), strict=True):
+def _inner(optimizer: Any) -> Any:
+    return getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps ours
+
+
+def checkpoint_state(optimizer: Any) -> dict[str, Any]:
+    """The optimizer's state dict, with the fp32 master weights under ``master_weights`` when it has them."""
+    state = optimizer.state_dict()
+    inner = _inner(optimizer)
+    if isinstance(inner, _MasterWeights):
+        state[MASTERS] = [master.detach() for _, master in inner.pairs]
+    return state
+
+
+@torch.no_grad()
+def load_checkpoint_state(optimizer: Any, state: dict[str, Any]) -> None:
+    """Restore what :func:`checkpoint_state` saved (the masters into their sharded copies, then the rest)."""
+    state = dict(state)
+    masters, inner = state.pop(MASTERS, None), _inner(optimizer)
+    if masters is not None and isinstance(inner, _MasterWeights):
+        for (_, master), saved in zip(inner.pairs, masters, strict=True):
             master.copy_(saved.to(master.device))
-        super().load_state_dict(state_dict)  # type: ignore[misc]
+    optimizer.load_state_dict(state)
 
 
 def with_master_weights(optimizer: torch.optim.Optimizer, fp32_copy: Any) -> torch.optim.Optimizer:
