@@ -13,7 +13,7 @@ They are kept out of the optimizer's own ``state_dict()``: accelerate's ``Accele
 wraps the optimizer, and torch_xla 2.9's ``utils.for_each_instance_rewrite`` ``copy.copy``s every XLA
 tensor in it: a host round trip that rebuilds each one on the devices unsharded. For Open Llama 3B's
 13.7 GB of masters that is a full replicated copy on every chip at once (found tracing the full recipe
-with placeholders for the TPU compiler, which refused the copy).
+with placeholders for the TPU compiler: the copy asked for data the placeholders do not have).
 """
 
 from __future__ import annotations
