@@ -360,6 +360,19 @@ def compile_beside_plan(
     from lowmem_tpu.model.architecture import flops_per_token
 
     device = compile_target(device_name)
+    untraceable = [
+        f"{field} ({why})"
+        for field, on, why in (
+            ("model.attn_implementation: flash", recipe.model.attn_implementation == "flash", "a Pallas TPU kernel"),
+            ("sharding.offload_activations", recipe.sharding.offload_activations, "host-memory annotations"),
+        )
+        if on
+    ]
+    if untraceable:
+        raise UserError(
+            f"--compile: {', '.join(untraceable)} cannot be traced on the CPU backend yet, which the trace runs on; "
+            "compile the recipe without it (e.g. model.attn_implementation=chunked) for the rest of its figures"
+        )
     config = require_config(recipe)
     report = plan_recipe(recipe, device.name, config)  # also refuses a batch the chips do not split
     result = result or compile_recipe(recipe, device)
