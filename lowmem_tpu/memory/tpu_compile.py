@@ -113,6 +113,9 @@ def trace_step(recipe: Recipe, device: Device, work: Path, timeout: float = 3600
         "CPU_NUM_DEVICES": str(n),
         "XLA_FLAGS": with_user_flags(TRACE_FLAGS.format(dir=dump)),
         "LOWMEM_DUMP_DIR": str(dump),
+        # torch_xla wraps a program's arguments into one tuple past 3200 of them (a 70B model's step has
+        # 4,600+): the same memory, but the placeholders' shardings and the donors are set per argument.
+        "XLA_PARAMETER_WRAPPING_THREADSHOLD": str(10**9),
     }
     started = time.perf_counter()
     traced = spawn_step("trace", recipe, overrides, 1, env, timeout)
