@@ -46,6 +46,7 @@ def main() -> int:
     parser.add_argument("--only", nargs="*", default=None, help="recipe names to compile (default: all)")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "tpu_compile.json")
     parser.add_argument("--check", action="store_true", help="exit 1 when a shipped recipe does not fit its target")
+    parser.add_argument("--timeout", type=float, default=3600, help="seconds one compile may take here")
     args = parser.parse_args()
     recorded = json.loads(args.out.read_text()) if args.out.exists() else {}
     rows, records, failed, blocked = [], {}, [], []
@@ -54,7 +55,7 @@ def main() -> int:
             continue
         key = f"{name}@{device}"
         try:
-            record = _compiled(name, device, path, recorded.get(key) if args.check else None)
+            record = _compiled(name, device, path, recorded.get(key) if args.check else None, args.timeout)
         except UserError as err:
             print(f"  error: {err}", file=sys.stderr)
             failed.append(f"{key}: {err}")
@@ -77,7 +78,7 @@ def main() -> int:
     return 1 if args.check and failed else 0
 
 
-def _compiled(name: str, device: str, path: Path, recorded: dict | None) -> dict:
+def _compiled(name: str, device: str, path: Path, recorded: dict | None, timeout: float) -> dict:
     """One recipe's record: traced now; compiled now unless ``recorded`` holds the same program's figures."""
     target = compile_target(device)
     recipe = load_recipe(str(path), ["runtime.device=tpu"])
@@ -90,9 +91,9 @@ def _compiled(name: str, device: str, path: Path, recorded: dict | None) -> dict
             return recorded | {"reused": True}
         print(f"  compiling for {target.topology}...", file=sys.stderr, flush=True)
         try:
-            result = compile_traced(traced, target, Path(tmp))
+            result = compile_traced(traced, target, Path(tmp), timeout)
         except UserError as err:
-            if "host RAM" not in str(err):
+            if "host RAM" not in str(err) and "took over" not in str(err):
                 raise
             # Not a verdict on the recipe: this machine cannot run the compiler for it. Said, not failed.
             return {"program_key": traced.key, "device": device, "blocked": str(err), "fits": None}
