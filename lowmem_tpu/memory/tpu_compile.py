@@ -16,7 +16,6 @@ import importlib.metadata
 import importlib.util
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -141,7 +140,6 @@ def compile_traced(traced: TracedStep, device: Device, work: Path, timeout: floa
     tpu_dir = work / "tpu"
     tpu_dir.mkdir(parents=True, exist_ok=True)
     compiled = _compile(traced.request, work, tpu_dir, timeout)
-    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
     base = {
         "device": device.name,
         "topology": device.topology or "",
@@ -151,7 +149,7 @@ def compile_traced(traced: TracedStep, device: Device, work: Path, timeout: floa
         "kind": compiled.get("kind", ""),
         "trace_seconds": traced.trace_seconds,
         "compile_seconds": compiled.get("compile_seconds", 0.0),
-        "host_peak_rss_bytes": max(children, traced.host_peak_rss_bytes),
+        "host_peak_rss_bytes": max(compiled.get("host_peak_rss_bytes", 0), traced.host_peak_rss_bytes),
         "placeholders": traced.request["placeholders"],
         "donated": compiled.get("donors", 0),
     }
@@ -204,9 +202,9 @@ def _compile(request: dict[str, Any], work: Path, dump: Path, timeout: float) ->
     env["JAX_PLATFORMS"] = "cpu"  # jax's default backend: never the chips (a run may hold them); topologies need none
     with open(work / "tpu.log", "w") as log:
         child = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
-        peak = _watch(child, timeout)
+        peak, stopped = _watch(child, timeout)
     result = work / "tpu.json"
-    if peak is not None:
+    if stopped:
         raise UserError(
             f"the TPU compiler needed more host RAM than this machine has (stopped at {size(peak)} with less "
             f"than {size(LOW_MEMORY)} of {size(host_memory())} left): compile on a machine with more memory"
@@ -214,27 +212,30 @@ def _compile(request: dict[str, Any], work: Path, dump: Path, timeout: float) ->
     if not result.exists():
         tail = "\n".join((work / "tpu.log").read_text().splitlines()[-20:])
         raise UserError(f"the TPU compiler failed (exit {child.returncode}):\n{tail}")
-    return json.loads(result.read_text())
+    return json.loads(result.read_text()) | {"host_peak_rss_bytes": peak}
 
 
 LOW_MEMORY = 1 * 2**30  # stop the compiler when the host has less than this left (before the OOM killer)
 
 
-def _watch(child: subprocess.Popen, timeout: float) -> int | None:
-    """Wait for ``child``; kill it at ``timeout`` (UserError) or when the host runs out of RAM (its RSS back)."""
-    started = time.monotonic()
+def _watch(child: subprocess.Popen, timeout: float) -> tuple[int, bool]:
+    """Wait for ``child``: its peak RSS (sampled), and whether it was stopped for the host's RAM running out.
+
+    At ``timeout`` it is killed (UserError).
+    """
+    started, peak = time.monotonic(), 0
     while child.poll() is None:
+        peak = max(peak, _rss(child.pid))
         if time.monotonic() - started > timeout:
             child.kill()
             child.wait()
             raise UserError(f"the TPU compiler took over {timeout:.0f} s")
         if _available() < LOW_MEMORY:
-            rss = _rss(child.pid)
             child.kill()
             child.wait()
-            return rss
+            return peak, True
         time.sleep(0.5)
-    return None
+    return peak, False
 
 
 def _available() -> int:
