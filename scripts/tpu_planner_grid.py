@@ -19,6 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from memory_levers import MINI  # Open Llama 3B's proportions at 4 layers of hidden 400 (scripts/ is on the path)
+
 from lowmem_tpu.config import load_recipe
 from lowmem_tpu.config.devices import DEVICES
 from lowmem_tpu.errors import UserError
@@ -26,21 +28,6 @@ from lowmem_tpu.memory.advise import plan_recipe
 from lowmem_tpu.memory.tpu_compile import compile_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
-MINI = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 400,
-    "intermediate_size": 1080,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 4,
-    "max_position_embeddings": 2048,
-    "vocab_size": 32000,
-    "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": False,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-}
 # Every point trains bf16 weights as a TPU run does (the tiny recipe is fp32 for the CPU backend).
 COMMON = ["model.dtype=bfloat16", "train.eval_samples=0", "data.eval_path=null", "train.eval_steps=null"]
 POINTS = {
