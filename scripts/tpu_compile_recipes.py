@@ -67,7 +67,8 @@ def main() -> int:
             blocked.append(f"{key}: {record['blocked']}")
         elif not record["fits"]:
             failed.append(f"{key}: {size(record['needed'])} of {size(record['capacity'])}")
-    args.out.write_text(json.dumps(recorded | records, indent=2) + "\n")
+    written = {key: {k: v for k, v in record.items() if k != "reused"} for key, record in (recorded | records).items()}
+    args.out.write_text(json.dumps(written, indent=2) + "\n")
     print("| recipe | target | TPU compiler, per chip | planner (error) | TPU compile | host peak |")
     print("|---|---|---|---|---|---|")
     print("\n".join(rows))
