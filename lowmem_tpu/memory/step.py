@@ -177,9 +177,13 @@ def _trace_hook(record: dict[str, Any], result: Path) -> Any:
         def on_train_begin(self, args, state, control, optimizer=None, **kwargs) -> None:
             record["placeholders"] += prefill_optimizer_state(getattr(optimizer, "optimizer", optimizer))
 
-        def on_step_end(self, args, state, control, **kwargs) -> None:
+        def on_step_begin(self, args, state, control, **kwargs) -> None:
+            # The next program handed over is the step's: its first micro-batch's with accumulation (the
+            # trainer cuts the graph after each backward), else the whole step at on_step_end's sync.
             record["_started"] = time.perf_counter()
             ProgramWatcher(dump, done).start()
+
+        def on_step_end(self, args, state, control, **kwargs) -> None:
             rt.sync()  # hands the step to the CPU compiler: the watcher takes it and leaves
             time.sleep(600)  # never reached unless the dump is missing
 

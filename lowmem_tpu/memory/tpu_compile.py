@@ -369,13 +369,19 @@ def compile_beside_plan(
         for field, on, why in (
             ("model.attn_implementation: flash", recipe.model.attn_implementation == "flash", "a Pallas TPU kernel"),
             ("sharding.offload_activations", recipe.sharding.offload_activations, "host-memory annotations"),
+            (
+                "train.gradient_accumulation_steps > 1",
+                recipe.train.gradient_accumulation_steps > 1,
+                "a step of several programs; the first uses only some of the placeholders",
+            ),
         )
         if on
     ]
     if untraceable:
         raise UserError(
             f"--compile: {', '.join(untraceable)} cannot be traced on the CPU backend yet, which the trace runs on; "
-            "compile the recipe without it (e.g. model.attn_implementation=chunked) for the rest of its figures"
+            "compile the recipe without it (e.g. model.attn_implementation=chunked, or the same tokens per step in "
+            "one micro-batch) for the rest of its figures"
         )
     config = require_config(recipe)
     report = plan_recipe(recipe, device.name, config)  # also refuses a batch the chips do not split
