@@ -20,7 +20,8 @@ import pytest
 from lowmem_tpu.errors import UserError
 from lowmem_tpu.memory import tpu_compile
 from lowmem_tpu.memory.compiler import out_of_memory
-from lowmem_tpu.memory.tpu_compile import TpuCompile, compile_target, format_compile
+from lowmem_tpu.memory.tpu_compile import TpuCompile, compile_target
+from lowmem_tpu.memory.tpu_report import format_compile
 from lowmem_tpu.xla.tpu_compiler import buffer_donors, fsdp_sharding
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -20,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -262,90 +262,6 @@ def _buffer_assignment(dump: Path) -> Path:
     return found[-1]
 
 
-# ----------------------------------------------------------------------------- the step's cost
-
-
-def cost_bounds(result: TpuCompile, model_flops_per_chip: float | None) -> dict[str, Any]:
-    """The compiler's cost of one step, as bounds for the target: time >= max(flops / peak, bytes / bandwidth).
-
-    ``model_flops_per_chip``: the model's FLOPs for one step on one chip (6N per token plus attention,
-    recomputation not counted), for an upper bound on MFU. Both are the compiler's estimate for the
-    program it compiled, not a measurement.
-    """
-    device = DEVICES[result.device]
-    flops, accessed = result.cost.get("flops"), result.cost.get("bytes accessed")
-    if not flops or not device.peak_flops or not device.hbm_bandwidth:
-        return {"reported": False, "why": "the compile-only client reported no flops for this program"}
-    compute, memory = flops / device.peak_flops, (accessed or 0) / device.hbm_bandwidth
-    bound = max(compute, memory)
-    out: dict[str, Any] = {
-        "reported": True,
-        "flops_per_chip": flops,
-        "bytes_accessed_per_chip": accessed,
-        "compute_seconds": compute,
-        "memory_seconds": memory,
-        "step_seconds_at_least": bound,
-        "bound_by": "compute" if compute >= memory else "HBM bandwidth",
-    }
-    if model_flops_per_chip:
-        out["mfu_at_most"] = model_flops_per_chip / bound / device.peak_flops
-    return out
-
-
-# ----------------------------------------------------------------------------- output
-
-
-def compile_json(result: TpuCompile, planned_peak: int | None, cost: dict[str, Any]) -> dict[str, Any]:
-    """``--json``: every figure in bytes, the verdict, and the plan's error against the compiler."""
-    out = asdict(result) | {"needed": result.needed, "fits": result.fits, "cost_bounds": cost}
-    out["source"] = "the TPU compiler (libtpu compile-only) on the step traced on the CPU backend: not a run"
-    if planned_peak is not None and result.error is None:
-        out["planned_peak"] = planned_peak
-        out["plan_error"] = (planned_peak - result.needed) / result.needed if result.needed else None
-    return out
-
-
-def format_compile(result: TpuCompile, planned_peak: int | None, cost: dict[str, Any], advice: str | None) -> str:
-    """The human report: per chip, the compiler's figures, the verdict, the plan beside it."""
-    g = size
-    target = f"{result.device} ({result.topology}, {result.kind})"
-    lines = [f"the TPU compiler (libtpu {result.libtpu}) for {target}, per chip:"]
-    if result.error:
-        return "\n".join([*lines, f"  the compiler failed: {result.error[:600]}"])
-    if result.refused:
-        asked = f"{g(result.needed)} of {g(result.refused.capacity_bytes)}"
-        lines.append(f"  does not fit: the TPU compiler asks for {asked} {result.refused.memory_space}")
-        lines.append("  (arguments and temporaries: the compiler's refusal does not count outputs)")
-    else:
-        rows = [
-            ("arguments", result.arguments),
-            ("outputs", result.outputs),
-            ("aliased (donated inputs reused by outputs)", -result.aliased),
-            ("temporaries (HBM)", result.temporaries),
-        ]
-        lines += [f"  {label:<44}{g(value):>11}" for label, value in rows]
-        room = result.capacity - result.needed
-        verdict = f"fits, {g(room)} free" if room >= 0 else f"does not fit, {g(-room)} short"
-        lines.append(f"  {'needed':<44}{g(result.needed):>11} of {g(result.capacity)}: {verdict}")
-        lines.append(f"  on-chip scratch (not HBM) {g(result.scratch)}; generated code {g(result.generated_code)}")
-    if planned_peak is not None:
-        error = (planned_peak - result.needed) / result.needed if result.needed else 0.0
-        lines.append(f"  the planner's peak: {g(planned_peak)} ({error:+.0%} against the compiler)")
-    if cost.get("reported"):
-        line = f"  step at least {cost['step_seconds_at_least'] * 1e3:.1f} ms ({cost['bound_by']})"
-        if "mfu_at_most" in cost:
-            line += f", MFU at most {cost['mfu_at_most']:.0%}"
-        lines.append(line + ": the compiler's cost estimate, not a measurement")
-    lines.append(
-        f"  traced in {result.trace_seconds:.0f} s, compiled in {result.compile_seconds:.0f} s; "
-        f"host peak {g(result.host_peak_rss_bytes)}; {result.placeholders} placeholders, {result.donated} donated"
-    )
-    if advice:
-        lines.append(f"  next: {advice}")
-    lines.append("  (the TPU compiler's verdict on the program traced on the CPU backend, not a run on a TPU)")
-    return "\n".join(lines)
-
-
 # ----------------------------------------------------------------------------- beside the plan
 
 
@@ -361,6 +277,7 @@ def compile_beside_plan(
     from lowmem_tpu.memory.advise import next_steps, plan_recipe
     from lowmem_tpu.memory.plan import plan_setting
     from lowmem_tpu.memory.shape import require_config, shape_of
+    from lowmem_tpu.memory.tpu_report import compile_json, cost_bounds, format_compile
     from lowmem_tpu.model.architecture import flops_per_token
 
     device = compile_target(device_name)
