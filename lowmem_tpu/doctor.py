@@ -23,7 +23,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from lowmem_tpu.config.devices import GiB, device_for, host_memory
+from lowmem_tpu.config.devices import GiB, device_for, host_memory, meminfo
 from lowmem_tpu.config.platform import tpu_present
 from lowmem_tpu.console import size
 
@@ -195,7 +195,7 @@ def _command(pid: int) -> str:
 
 def check_host(platform_name: str) -> list[Check]:
     """Host RAM and whether the compile cache directory is writable."""
-    available = _meminfo("MemAvailable")
+    available = meminfo("MemAvailable")
     ram = f"{host_memory() / GiB:.1f} GiB, {available / GiB:.1f} GiB available" if available else "unknown"
     checks = [Check("host RAM", "ok" if not available or available > 4 * GiB else "warn", ram)]
     root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lowmem-tpu" / f"xla-{platform_name}"
@@ -208,16 +208,6 @@ def check_host(platform_name: str) -> list[Check]:
         fix = "set runtime.compile_cache_dir to a writable directory, or XDG_CACHE_HOME"
         checks.append(Check("compile cache", "fail", f"{root}: {err.strerror}", fix))
     return checks
-
-
-def _meminfo(key: str) -> int:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith(f"{key}:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
 
 
 # ----------------------------------------------------------------------------- a few real steps

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 from lowmem_tpu.errors import UserError
 
@@ -145,3 +146,14 @@ def host_memory() -> int:
             return int(f.readline().split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         return 16 * GiB
+
+
+def meminfo(key: str) -> int:
+    """One /proc/meminfo figure in bytes, e.g. ``MemAvailable`` (0 when it cannot be read)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith(f"{key}:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from lowmem_tpu.config import Recipe
-from lowmem_tpu.config.devices import DEVICES, Device, host_memory
+from lowmem_tpu.config.devices import DEVICES, Device, host_memory, meminfo
 from lowmem_tpu.console import size
 from lowmem_tpu.errors import UserError
 from lowmem_tpu.memory.compiler import OutOfMemory, hbm_allocations, out_of_memory
@@ -230,19 +230,12 @@ def _watch(child: subprocess.Popen, timeout: float) -> tuple[int, bool]:
             child.kill()
             child.wait()
             raise UserError(f"the TPU compiler took over {timeout:.0f} s")
-        if _available() < LOW_MEMORY:
+        if (meminfo("MemAvailable") or 2**62) < LOW_MEMORY:
             child.kill()
             child.wait()
             return peak, True
         time.sleep(0.5)
     return peak, False
-
-
-def _available() -> int:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    return 2**62
 
 
 def _rss(pid: int) -> int:
