@@ -31,7 +31,7 @@ def _tiny(impl: str, seed: int = 0, layers: int = 2):
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=128,
-        attn_implementation=impl,
+        attn_implementation=attention.transformers_name(impl),
     )  # head size 10 (not a multiple of anything), grouped-query attention
     torch.manual_seed(seed)
     return LlamaForCausalLM(config)
@@ -87,6 +87,19 @@ def test_a_query_that_sees_nothing_gives_zeros_not_nan():
     assert torch.isfinite(out).all() and (out[0, :, :2] == 0).all()
     out.sum().backward()
     assert torch.isfinite(q.grad).all()
+
+
+def test_flash_builds_under_a_name_transformers_does_not_take_for_cuda_flash_attn():
+    """transformers 5 reads any attn_implementation with "flash" in it as the CUDA package or a Hub kernel."""
+    from lowmem_tpu.config import ModelSection
+    from lowmem_tpu.model import meta_model
+    from lowmem_tpu.model.loading import load_config
+
+    cfg = ModelSection(name_or_path="builtin:tiny-llama", random_init=True, attn_implementation="flash")
+    model = meta_model(load_config(cfg, offline=True), cfg)
+    assert model.config._attn_implementation == attention.FLASH_NAME and "flash" not in attention.FLASH_NAME
+    with pytest.raises(RuntimeError, match="runs on a TPU only"):  # our kernel is reached (none off a TPU)
+        _tiny("flash")(torch.zeros(1, 4, dtype=torch.long))
 
 
 def test_flash_is_refused_off_a_tpu_with_the_alternative():

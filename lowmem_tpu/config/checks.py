@@ -55,10 +55,12 @@ def cross_problems(recipe: Recipe) -> list[tuple[tuple[str, ...], str]]:
         problems.append((("model.attn_implementation", "runtime.device"), message))
     if model.attn_implementation == "flash" and not flash_tiles(data.max_length):
         below, above = flash_lengths_near(data.max_length)
+        lengths = f"{below} or {above}" if below else str(above)
         message = (
             f"data.max_length: {data.max_length} cannot be tiled by flash attention's backward pass (torch_xla 2.9 "
-            "picks blocks of min(1024, L), min(512, L) and min(256, L), which must divide L: L <= 256, 512 or a "
-            f"multiple of 1024); use {below} or {above}, or model.attn_implementation: chunked (any length)"
+            "picks blocks of min(1024, L), min(512, L) and min(256, L), which must divide L, in multiples of 128: "
+            f"L = 128, 256, 512 or a multiple of 1024); use {lengths}, "
+            "or model.attn_implementation: chunked (any length)"
         )
         problems.append((("data.max_length", "model.attn_implementation"), message))
     if data.packing and recipe.sharding.scan_layers and model.attn_implementation in ("chunked", "flash"):
@@ -86,17 +88,18 @@ def cross_problems(recipe: Recipe) -> list[tuple[tuple[str, ...], str]]:
 
 
 def flash_tiles(length: int) -> bool:
-    """Whether torch_xla 2.9's flash backward tiles this sequence length.
+    """Whether torch_xla 2.9's flash backward tiles this sequence length: 128, 256, 512 or a multiple of 1024.
 
     ``experimental/custom_kernel.py`` gives the dq kernel blocks of min(1024, L), min(512, L) and
-    min(256, L), the dkv kernel min(512, L); JAX's Pallas kernel refuses a block that does not divide L.
+    min(256, L), the dkv kernel min(512, L); JAX's Pallas kernel refuses a block that does not divide L
+    and a key block that is not a multiple of 128 lanes (traced for a TPU: tests/test_flash_tpu.py).
     """
-    return all(length % min(block, length) == 0 for block in (1024, 512, 256))
+    return length % 128 == 0 and all(length % min(block, length) == 0 for block in (1024, 512, 256))
 
 
-def flash_lengths_near(length: int) -> tuple[int, int]:
+def flash_lengths_near(length: int) -> tuple[int | None, int]:
     """The nearest lengths below and above ``length`` that flash's backward tiles."""
-    below = next(n for n in range(length, 0, -1) if flash_tiles(n))
+    below = next((n for n in range(length, 0, -1) if flash_tiles(n)), None)
     above = next(n for n in range(length, 4 * length + 1025) if flash_tiles(n))
     return below, above
 

@@ -141,23 +141,27 @@ def largest_program(paths: list[Path]) -> CompilerFigures:
 
 @dataclass(frozen=True)
 class HbmAllocations:
-    """A TPU buffer assignment split by memory space: colour 0 is HBM, the other colours on-chip memory."""
+    """A TPU buffer assignment split by memory space: colour 0 is HBM, 5 the host, the others on-chip memory."""
 
     parameters: int  # HBM allocations of entry parameters
     outputs: int  # HBM allocations live out of the program that are not parameters
     temporaries: int  # every other HBM allocation (the temporary arena, constants, thread-local)
-    scratch: int  # colour != 0: VMEM, SMEM, semaphores (layout S(1) and up), not HBM
+    scratch: int  # on-chip: VMEM, SMEM, semaphores (layouts S(1) to S(4), S(6)), not HBM
+    host: int = 0  # colour 5, layout S(5): pinned host memory (what host offload moved out of HBM)
 
 
 _COLOUR = re.compile(r"\bcolor (\d+)")
+HOST_COLOUR = "5"  # XLA's Layout::kHostMemorySpace
 
 
 def hbm_allocations(path: Path) -> HbmAllocations:
     """The HBM and on-chip split of a TPU ``*after_optimizations-buffer-assignment.txt``."""
-    parameters = outputs = temporaries = scratch = 0
+    parameters = outputs = temporaries = scratch = host = 0
     for size, rest in _ALLOCATION.findall(path.read_text()):
         colour = _COLOUR.search(rest)
-        if colour and colour.group(1) != "0":
+        if colour and colour.group(1) == HOST_COLOUR:
+            host += int(size)
+        elif colour and colour.group(1) != "0":
             scratch += int(size)
         elif " parameter " in rest:
             parameters += int(size)
@@ -165,4 +169,4 @@ def hbm_allocations(path: Path) -> HbmAllocations:
             outputs += int(size)
         else:
             temporaries += int(size)
-    return HbmAllocations(parameters, outputs, temporaries, scratch)
+    return HbmAllocations(parameters, outputs, temporaries, scratch, host)

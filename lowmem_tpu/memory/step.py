@@ -184,7 +184,13 @@ def _trace_hook(record: dict[str, Any], result: Path) -> Any:
             ProgramWatcher(dump, done).start()
 
         def on_step_end(self, args, state, control, **kwargs) -> None:
-            rt.sync()  # hands the step to the CPU compiler: the watcher takes it and leaves
+            try:
+                rt.sync()  # hands the step to the CPU compiler: the watcher takes it and leaves
+            except RuntimeError:
+                # TPU-only code (a Pallas kernel, host offload) the CPU compiler refuses after the dump
+                # was written: the watcher still takes it, unless the refusal came before.
+                time.sleep(30)
+                raise
             time.sleep(600)  # never reached unless the dump is missing
 
     return Hook()
@@ -196,6 +202,12 @@ def _trace(recipe: Recipe, runtime: Any, micro: int, record: dict[str, Any], res
     from lowmem_tpu.memory.trace import placeholder_model
     from lowmem_tpu.xla.sharding import placeholder, placeholders_unmarked
 
+    if recipe.model.attn_implementation == "flash":
+        from lowmem_tpu.xla.attention import install
+        from lowmem_tpu.xla.pallas import lower_pallas_for_tpu
+
+        lower_pallas_for_tpu()  # the kernel is TPU code in a trace that never runs
+        install()
     model, record["placeholders"] = placeholder_model(recipe, runtime)
     trainer = _trainer(recipe, runtime, model, micro, _trace_hook(record, result))
 
@@ -209,6 +221,12 @@ def _trace(recipe: Recipe, runtime: Any, micro: int, record: dict[str, Any], res
     raise RuntimeError("the step's program was not handed to the compiler")
 
 
+def _on_cpu(recipe: Recipe, devices: int) -> Recipe:
+    """The recipe, validated as the TPU run it stands for, traced on ``devices`` CPU devices instead."""
+    runtime = recipe.runtime.model_copy(update={"device": "cpu", "num_cpu_devices": devices})
+    return recipe.model_copy(update={"runtime": runtime})
+
+
 def _child(kind: str, recipe_path: str, steps: int, result: Path, overrides: list[str]) -> None:
     """The subprocess: ``compile`` traces the real step and compiles it, ``run`` runs ``steps`` real steps.
 
@@ -219,6 +237,8 @@ def _child(kind: str, recipe_path: str, steps: int, result: Path, overrides: lis
     from lowmem_tpu.xla import runtime as rt
 
     recipe = load_recipe(recipe_path, [*overrides, f"train.max_steps={steps}", "train.eval_steps=null"])
+    if kind == "trace":
+        recipe = _on_cpu(recipe, int(os.environ["LOWMEM_TRACE_CPU_DEVICES"]))
     runtime = rt.setup_runtime(recipe.runtime)
     micro = micro_batch_size(recipe, runtime.num_devices)
     record: dict[str, Any] = {"num_devices": runtime.num_devices, "micro_batch_size": micro, "step": steps}

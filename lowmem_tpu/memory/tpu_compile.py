@@ -54,6 +54,8 @@ class TpuCompile:
     aliased: int = 0
     temporaries: int = 0  # HBM only (colour 0 of the buffer assignment)
     scratch: int = 0  # on-chip memory (VMEM, SMEM, ...): the other colours, not HBM
+    host: int = 0  # pinned host memory the program uses (host offload), not HBM
+    kernels: int = 0  # Pallas kernels (tpu_custom_call) in the traced program
     generated_code: int = 0
     cost: dict[str, float] = field(default_factory=dict)
     compiler_stats: dict[str, int] = field(default_factory=dict)  # get_compiled_memory_stats(), as reported
@@ -106,10 +108,13 @@ def trace_step(recipe: Recipe, device: Device, work: Path, timeout: float = 3600
     n = device.devices
     dump = work / "trace"
     dump.mkdir(parents=True, exist_ok=True)
-    overrides = ["runtime.device=cpu", f"runtime.num_cpu_devices={n}", "runtime.compile_cache_dir=null"]
+    # Checked as the TPU run it stands for (flash, offload are TPU fields); the child traces it on the CPU.
+    overrides = ["runtime.device=tpu", "runtime.compile_cache_dir=null"]
     env = {
         "PJRT_DEVICE": "CPU",
         "CPU_NUM_DEVICES": str(n),
+        "LOWMEM_TRACE_CPU_DEVICES": str(n),
+        "JAX_PLATFORMS": "cpu",  # flash's kernel is traced by jax: never let it reach for a TPU
         "XLA_FLAGS": with_user_flags(TRACE_FLAGS.format(dir=dump)),
         "LOWMEM_DUMP_DIR": str(dump),
         # torch_xla wraps a program's arguments into one tuple past 3200 of them (a 70B model's step has
@@ -165,6 +170,8 @@ def compile_traced(traced: TracedStep, device: Device, work: Path, timeout: floa
         aliased=stats["alias_size_in_bytes"],
         temporaries=hbm.temporaries,
         scratch=hbm.scratch,
+        host=hbm.host,
+        kernels=Path(traced.request["module_text"]).read_text().count('custom_call_target="tpu_custom_call"'),
         generated_code=stats["generated_code_size_in_bytes"],
         cost=compiled.get("cost", {}),
         compiler_stats=stats,
@@ -277,8 +284,6 @@ def compile_beside_plan(
     untraceable = [
         f"{field} ({why})"
         for field, on, why in (
-            ("model.attn_implementation: flash", recipe.model.attn_implementation == "flash", "a Pallas TPU kernel"),
-            ("sharding.offload_activations", recipe.sharding.offload_activations, "host-memory annotations"),
             (
                 "train.gradient_accumulation_steps > 1",
                 recipe.train.gradient_accumulation_steps > 1,

@@ -77,6 +77,10 @@ def format_compile(result: TpuCompile, planned_peak: int | None, cost: dict[str,
         verdict = f"fits, {g(room)} free" if room >= 0 else f"does not fit, {g(-room)} short"
         lines.append(f"  {'needed':<44}{g(result.needed):>11} of {g(result.capacity)}: {verdict}")
         lines.append(f"  on-chip scratch (not HBM) {g(result.scratch)}; generated code {g(result.generated_code)}")
+        if result.host:
+            lines.append(f"  host memory (offloaded, not HBM) {g(result.host)}")
+        if result.kernels:
+            lines.append(f"  Pallas kernels in the step: {result.kernels} (compiled for the TPU by libtpu)")
     if planned_peak is not None:
         error = (planned_peak - result.needed) / result.needed if result.needed else 0.0
         lines.append(f"  the planner's peak: {g(planned_peak)} ({error:+.0%} against the compiler)")

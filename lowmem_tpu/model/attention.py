@@ -164,6 +164,17 @@ def _flash(*args: Any, **kwargs: Any) -> Any:
     return _flash_kernel(*args, **kwargs)
 
 
+# The name transformers knows ``flash`` by: transformers 5 takes any name with "flash" in it for the
+# CUDA flash-attn package or a Hub kernel (utils/generic.py's is_flash_attention_requested), fails to
+# import one ("Could not find the currently requested flash attention implementation") and builds no model.
+FLASH_NAME = "tpu_pallas"
+
+
+def transformers_name(name: str) -> str:
+    """The ``attn_implementation`` transformers is given for ``model.attn_implementation: name``."""
+    return FLASH_NAME if name == "flash" else name
+
+
 def register(name: str) -> None:
     """Make ``chunked`` or ``flash`` known to transformers before a model is built with it (idempotent)."""
     if name not in (NAME, "flash"):
@@ -171,5 +182,5 @@ def register(name: str) -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    AttentionInterface.register(name, chunked_attention_forward if name == NAME else _flash)
-    AttentionMaskInterface.register(name, padding_mask)
+    AttentionInterface.register(transformers_name(name), chunked_attention_forward if name == NAME else _flash)
+    AttentionMaskInterface.register(transformers_name(name), padding_mask)

@@ -75,11 +75,12 @@ def torch_dtype(name: str) -> Any:
     return {"bfloat16": torch.bfloat16, "float32": torch.float32}[name]
 
 
-def register_attention(name: str) -> None:
-    """``chunked`` and ``flash`` are ours: transformers must know them before a model names them."""
-    from lowmem_tpu.model.attention import register
+def attention_name(cfg: ModelSection) -> str:
+    """``model.attn_implementation`` as transformers knows it, registered (``chunked``, ``flash`` are ours)."""
+    from lowmem_tpu.model.attention import register, transformers_name
 
-    register(name)
+    register(cfg.attn_implementation)
+    return transformers_name(cfg.attn_implementation)
 
 
 def meta_model(config: Any, cfg: ModelSection | None = None) -> Any:
@@ -87,9 +88,7 @@ def meta_model(config: Any, cfg: ModelSection | None = None) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
-    kwargs = {} if cfg is None else {"dtype": torch_dtype(cfg.dtype), "attn_implementation": cfg.attn_implementation}
-    if cfg is not None:
-        register_attention(cfg.attn_implementation)
+    kwargs = {} if cfg is None else {"dtype": torch_dtype(cfg.dtype), "attn_implementation": attention_name(cfg)}
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, **kwargs)
     if cfg is not None and cfg.quantize != "none":
@@ -116,9 +115,8 @@ def build_base_model(cfg: ModelSection, seed: int = 0, weights: Weights | None =
         from transformers import AutoModelForCausalLM
 
         torch.manual_seed(seed)
-        register_attention(cfg.attn_implementation)
         model = AutoModelForCausalLM.from_config(
-            load_config(cfg), dtype=torch_dtype(cfg.dtype), attn_implementation=cfg.attn_implementation
+            load_config(cfg), dtype=torch_dtype(cfg.dtype), attn_implementation=attention_name(cfg)
         )
         model.config.use_cache = False
         return model

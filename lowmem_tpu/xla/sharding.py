@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 from collections.abc import Iterator
+from types import MethodType
 from typing import Any
 
 import torch
@@ -157,11 +158,13 @@ def offload_saved_inputs(module: nn.Module, runtime: Runtime) -> nn.Module:
 
     forward = module.forward
 
-    def offloaded(*args: Any, **kwargs: Any) -> Any:
+    def offloaded(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         with torch.autograd.graph.saved_tensors_hooks(moved(place_to_host), moved(place_to_device)):
             return forward(*args, **kwargs)
 
-    module.forward = offloaded
+    # A bound method, as torch_xla's checkpoint_module makes: FSDPv2 refuses a module whose forward has
+    # no __func__ (spmd_fully_sharded_data_parallel.py, "must define a `forward` method").
+    module.forward = MethodType(offloaded, module)
     return module
 
 

@@ -1,0 +1,110 @@
+"""The TPU-only paths (flash attention, host offload, dropout's mask) compiled by the TPU compiler.
+
+    .venv/bin/python scripts/tpu_only_paths.py [--layers 4] [--only NAME ...] [--json docs/tpu_only_paths.json]
+
+Each point is a shipped Open Llama 3B recipe (``open_llama_lora.yaml`` on v5e-8, ``open_llama_lora_v5e1.yaml``
+on v5e-1, ``open_llama_full.yaml``) on Open Llama 3B's exact width (hidden 3200, 32 heads of 100, MLP 8640,
+vocabulary 32,000) with ``--layers`` decoder layers instead of 26 (what a layer costs is the same; the
+compile takes a minute instead of five), its steady step traced with placeholders and compiled for the
+target by libtpu's compile-only client (``lowmem-tpu memory --compile``). Per chip: what the step needs
+(arguments + outputs - aliased + temporaries, HBM), the host memory it uses (offload), the Pallas kernels
+in it, and the planner's peak for the same recipe. Prints a markdown table; ``--json`` keeps every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+from lowmem_tpu.config import load_recipe
+from lowmem_tpu.config.devices import DEVICES
+from lowmem_tpu.errors import UserError
+from lowmem_tpu.memory.advise import plan_recipe
+from lowmem_tpu.memory.tpu_compile import compile_recipe
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "lowmem_tpu" / "configs" / "openlm-research__open_llama_3b_v2.json"
+RECIPE = {"v5e-8": "open_llama_lora", "v5e-1": "open_llama_lora_v5e1"}
+
+
+def _attention(device: str) -> dict[str, tuple[str, list[str]]]:
+    points = {}
+    for length in (1024, 2048):
+        for attention in ("eager", "chunked", "flash"):
+            over = [f"data.max_length={length}", f"model.attn_implementation={attention}"]
+            points[f"{attention}, {length}"] = (RECIPE[device], over)
+        points[f"flash, {length}, packed"] = (RECIPE[device], [*over, "data.packing=true"])
+    return {f"{device}: {name}": value for name, value in points.items()}
+
+
+POINTS: dict[str, tuple[str, list[str]]] = {
+    **_attention("v5e-8"),
+    **_attention("v5e-1"),
+    "v5e-8: lora, offload": ("open_llama_lora", ["sharding.offload_activations=true"]),
+    "v5e-8: lora, no offload": ("open_llama_lora", []),
+    "v5e-8: full, offload": ("open_llama_full", ["sharding.offload_activations=true"]),
+    "v5e-8: full, no offload": ("open_llama_full", []),
+    "v5e-8: lora, dropout 0.05": ("open_llama_lora", ["lora.dropout=0.05"]),
+    "v5e-8: lora, dropout 0": ("open_llama_lora", ["lora.dropout=0.0"]),
+}
+
+
+def point(recipe_name: str, overrides: list[str], device: str, model_dir: Path) -> dict:
+    common = [f"model.name_or_path={model_dir}", "runtime.device=tpu", "train.eval_samples=0"]
+    recipe = load_recipe(str(ROOT / "recipes" / f"{recipe_name}.yaml"), [*common, *overrides])
+    planned = plan_recipe(recipe, device).plan.peak
+    compiled = compile_recipe(recipe, DEVICES[device])
+    return {
+        "planned": planned,
+        "needed": compiled.needed,
+        "fits": compiled.fits,
+        "arguments": compiled.arguments,
+        "temporaries": compiled.temporaries,
+        "host": compiled.host,
+        "kernels": compiled.kernels,
+        "compile_seconds": compiled.compile_seconds,
+        "refused": compiled.refused is not None,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--only", nargs="*", default=None, help="point names (or a prefix such as 'v5e-1')")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    model_dir = Path(tempfile.mkdtemp(prefix="lowmem-3b-width-"))
+    config = json.loads(CONFIG.read_text()) | {"num_hidden_layers": args.layers}
+    (model_dir / "config.json").write_text(json.dumps(config))
+    rows = []
+    gib = 2**30
+    print(f"Open Llama 3B's width, {args.layers} layers; per chip, GiB")
+    print("| point | needed (HBM) | arguments | temporaries | host | kernels | planner | compile s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, (recipe_name, overrides) in POINTS.items():
+        if args.only is not None and not any(name.startswith(o) for o in args.only):
+            continue
+        device = name.split(":")[0]
+        try:
+            row = point(recipe_name, overrides, device, model_dir)
+        except UserError as err:
+            print(f"| {name} | error: {str(err).splitlines()[0][:200]} | | | | | | |", flush=True)
+            rows.append({"point": name, "recipe": recipe_name, "overrides": overrides, "error": str(err)})
+            continue
+        rows.append({"point": name, "recipe": recipe_name, "overrides": overrides, "layers": args.layers} | row)
+        needed = f"{row['needed'] / gib:.2f}" + (" (refused)" if row["refused"] else "")
+        print(
+            f"| {name} | {needed} | {row['arguments'] / gib:.2f} | {row['temporaries'] / gib:.2f} | "
+            f"{row['host'] / gib:.2f} | {row['kernels']} | {row['planned'] / gib:.2f} | {row['compile_seconds']:.0f} |",
+            flush=True,
+        )
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
