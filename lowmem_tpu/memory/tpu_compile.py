@@ -136,6 +136,10 @@ def trace_step(recipe: Recipe, device: Device, work: Path, timeout: float = 3600
     digest.update(json.dumps({k: v for k, v in request.items() if not k.startswith("module")}).encode())
     digest.update(Path(tpu_compiler_source()).read_bytes())
     digest.update(_package_version("libtpu").encode() + _package_version("jax").encode())
+    if "rng-bit-generator" in Path(traced["module_text"]).read_text():  # the only op our libtpu flags change
+        from lowmem_tpu.xla.runtime import with_libtpu_flags
+
+        digest.update(with_libtpu_flags(os.environ.get("LIBTPU_INIT_ARGS", "")).encode())
     seconds = round(time.perf_counter() - started, 1)  # the whole trace, the subprocess's start included
     return TracedStep(request, seconds, traced.get("host_peak_rss_bytes", 0), digest.hexdigest())
 
@@ -204,8 +208,10 @@ def _compile(request: dict[str, Any], work: Path, dump: Path, timeout: float) ->
     (work / "request.json").write_text(json.dumps(request))
     command = [sys.executable, "-m", "lowmem_tpu.xla.tpu_compiler", str(work / "request.json"), str(work / "tpu.json")]
     from lowmem_tpu.memory.measure import with_user_flags
+    from lowmem_tpu.xla.runtime import with_libtpu_flags
 
     env = os.environ | {"XLA_FLAGS": with_user_flags(f"--xla_dump_to={dump}"), "TF_CPP_MIN_LOG_LEVEL": "3"}
+    env["LIBTPU_INIT_ARGS"] = with_libtpu_flags(os.environ.get("LIBTPU_INIT_ARGS", ""))  # as a run on a TPU
     env["JAX_PLATFORMS"] = "cpu"  # jax's default backend: never the chips (a run may hold them); topologies need none
     with open(work / "tpu.log", "w") as log:
         child = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
