@@ -1,4 +1,4 @@
-"""The TPU-only paths (flash attention, host offload, dropout's mask) compiled by the TPU compiler.
+"""The TPU-only paths (flash attention, dropout's mask, quantized bases) compiled by the TPU compiler.
 
     .venv/bin/python scripts/tpu_only_paths.py [--layers 4] [--only NAME ...] [--json docs/tpu_only_paths.json]
 
@@ -8,9 +8,9 @@ on v5e-1, ``open_llama_full.yaml``, ``open_llama_7b_qlora.yaml`` on v5e-1) on th
 ``--layers`` decoder layers instead of 26 or 32 (what a layer costs is the same; the compile takes two
 minutes instead of seven, and a 7B step fits this machine's RAM), its steady step traced with placeholders
 and compiled for the target by libtpu's compile-only client (``lowmem-tpu memory --compile``). Per chip:
-what the step needs (arguments + outputs - aliased + temporaries, HBM), the host memory it uses
-(offload), the Pallas kernels in it, and the planner's peak for the same recipe. Prints a markdown
-table; ``--json`` keeps every figure.
+what the step needs (arguments + outputs - aliased + temporaries, HBM), the host memory it uses, the
+Pallas kernels in it, and the planner's peak for the same recipe. Prints a markdown table; ``--json``
+keeps every figure.
 """
 
 from __future__ import annotations
@@ -49,10 +49,7 @@ def _attention(device: str) -> dict[str, tuple[str, list[str]]]:
 POINTS: dict[str, tuple[str, list[str]]] = {
     **_attention("v5e-8"),
     **_attention("v5e-1"),
-    "v5e-8: lora, offload": ("open_llama_lora", ["sharding.offload_activations=true"]),
-    "v5e-8: lora, no offload": ("open_llama_lora", []),
-    "v5e-8: full, offload": ("open_llama_full", ["sharding.offload_activations=true"]),
-    "v5e-8: full, no offload": ("open_llama_full", []),
+    # sharding.offload_activations was compiled here at commit 60234b5 (before the recipe refused it).
     "v5e-8: lora, dropout 0.05": ("open_llama_lora", ["lora.dropout=0.05"]),
     "v5e-8: lora, dropout 0.05, bits not partitioned": ("open_llama_lora", ["lora.dropout=0.05", NOT_PARTITIONED]),
     "v5e-8: lora, dropout 0": ("open_llama_lora", ["lora.dropout=0.0"]),

@@ -159,16 +159,13 @@ def test_suggestions_turn_techniques_on_in_order_until_it_fits():
     order = ["train.gradient_accumulation_steps", "train.chunked_loss", "model.attn_implementation", "sharding.act"]
     firsts = [next(i for i, n in enumerate(names) if n.startswith(o)) for o in order]
     assert firsts == sorted(firsts), names
-    # Checkpointing comes one layer in two first, then every layer; offload only in a TPU plan.
+    # Checkpointing comes one layer in two first, then every layer; never offload (it saves nothing on a TPU).
     checkpointing = [n for n in names if n.startswith("sharding.act")]
     assert checkpointing == ["sharding.activation_checkpointing=every_2", "sharding.activation_checkpointing=true"]
-    assert names.index("sharding.offload_activations=true") > names.index(checkpointing[-1])
+    assert not any("offload" in n for n in names)
     peaks = [start.peak] + [s.plan.peak for s in steps]
     assert all(b < a for a, b in itertools.pairwise(peaks))
     assert memory_report.next_steps(llama, replace(start, capacity=start.needed // 3))[-1].plan.fits
-    cpu = memory.plan_setting(llama, worst, "cpu", GiB)
-    cpu_steps = memory_report.next_steps(llama, replace(cpu, capacity=cpu.needed // 8))
-    assert "sharding.offload_activations=true" not in [s.override for s in cpu_steps]  # refused off a TPU
 
 
 def test_suggestions_stop_when_nothing_is_left():
@@ -447,7 +444,7 @@ def test_quantization_is_suggested_to_lora_only_and_shown_in_the_report():
     report = memory_report.plan_recipe(recipe, "v5e-1")
     assert not report.plan.fits
     overrides = [s.override for s in report.steps]
-    assert overrides == ["sharding.offload_activations=true", "model.quantize=int8"] and report.steps[-1].plan.fits
+    assert overrides == ["model.quantize=int8"] and report.steps[-1].plan.fits
     twin = [s.override for s in report.twin_steps]  # full fine-tuning: a quantized base only after LoRA
     assert all(twin.index("lora.enabled=true") < i for i, o in enumerate(twin) if o.startswith("model.quantize"))
     int4 = load_recipe(

@@ -45,13 +45,6 @@ def _checkpointing(st: Setting) -> tuple[Setting, str, str] | None:
     return replace(st, checkpoint_every=1), text, "sharding.activation_checkpointing=true"
 
 
-def _offload(st: Setting) -> tuple[Setting, str, str] | None:
-    if st.offload or not st.checkpointing or st.checkpoint_every != 1:
-        return None
-    text = "offload the checkpointed layer inputs to host memory (TPU; host bandwidth)"
-    return replace(st, offload=True), text, "sharding.offload_activations=true"
-
-
 def _chunked_loss(st: Setting) -> tuple[Setting, str, str] | None:
     if st.chunked_loss or st.fused_head:
         return None
@@ -110,8 +103,8 @@ def _shorter(st: Setting) -> tuple[Setting, str, str] | None:
 
 
 # Cheapest first: sharding, accumulation and the chunked loss cost (almost) no speed, chunked
-# attention some, checkpointing recomputes layers' forward passes (half, then all), offload costs
-# host bandwidth (TPU only); then what changes the training itself. TRL's fused head (which
+# attention some, checkpointing recomputes layers' forward passes (half, then all); then what
+# changes the training itself. TRL's fused head (which
 # doubles the XLA step time) is left for when the chunked loss cannot be used.
 TECHNIQUES = (
     _more_sharding,
@@ -119,7 +112,6 @@ TECHNIQUES = (
     _chunked_loss,
     _chunked_attention,
     _checkpointing,
-    _offload,
     _adafactor,
     _lora,
     _quantize,
@@ -156,7 +148,7 @@ def _next(s: Shape, plan: Plan, repeat_saving: float) -> Step | None:
     """The first technique that lowers the peak (by ``repeat_saving`` when it doubles accumulation again)."""
     for technique in TECHNIQUES:
         change = technique(plan.setting)
-        if change is None or (change[0].offload and plan.layout != "tpu"):
+        if change is None:
             continue
         candidate = plan_setting(s, change[0], plan.layout, plan.capacity)
         repeat = technique is _accumulation and plan.setting.accumulation > 1
@@ -224,7 +216,7 @@ def plan_rows(plan: Plan) -> list[tuple[str, int]]:
     """(label, bytes) per component, in display order."""
     st = plan.setting
     every = f"one layer in {st.checkpoint_every}" if st.checkpoint_every > 1 else "on"
-    ckpt = (every if st.checkpointing else "off") + (", inputs offloaded" if st.offload else "")
+    ckpt = every if st.checkpointing else "off"
     base = f" ({st.quantize} base + {st.dtype} scales)" if plan.dequantized else ""
     rows = [
         (f"weights{base}", plan.weights),

@@ -158,8 +158,7 @@ def activations(s: Shape, st: Setting, layout: str, checkpointing: bool | None =
 
     A layer that is not checkpointed keeps all its activations. A checkpointed one keeps only its
     input (plus the residual stream once), and one layer at a time is recomputed (when the backward
-    pass reaches it, the later layers' activations are gone); with
-    ``offload`` (TPU) those inputs wait in host memory, two in flight on the device. The CPU
+    pass reaches it, the later layers' activations are gone). The CPU
     compiler on one device was seen keeping each layer's attention (q, k, v and the softmax
     numerator) from the forward pass anyway (XLA:CPU drops the optimization barriers that keep
     recomputation in place): that is modelled in the CPU layout only, never in a TPU plan.
@@ -171,7 +170,7 @@ def activations(s: Shape, st: Setting, layout: str, checkpointing: bool | None =
         return s.layers * (layer_activations(s, st) - attention_scores(s, st)) + attention_scores(s, st)
     st = replace(st, checkpointing=True)
     e, recomputed = DTYPE_BYTES[st.dtype], checkpointed_layers(s, st)
-    inputs = 2 if st.offload and layout == "tpu" else recomputed
+    inputs = recomputed
     # The backward pass frees each layer's activations as it passes: one recomputed layer at a time,
     # or the layers that keep theirs (the last layer's backward runs first).
     kept = (inputs + 1) * st.tokens * s.hidden * e + max(s.layers - recomputed, 1) * layer_activations(s, st)
@@ -182,8 +181,8 @@ def activations(s: Shape, st: Setting, layout: str, checkpointing: bool | None =
 
 def kept_for_backward(s: Shape, st: Setting, layout: str) -> int:
     """What the forward pass leaves for the backward pass as the loss's backward runs: every layer's
-    activations without checkpointing, else the checkpointed layers' inputs (in host memory with
-    ``offload``) and the other layers' activations; on a TPU no layer is being recomputed yet.
+    activations without checkpointing, else the checkpointed layers' inputs and the other layers'
+    activations; on a TPU no layer is being recomputed yet.
 
     The CPU layout adds what XLA:CPU, which drops the optimization barriers, does besides: one
     layer's recomputation already under way beside the whole logits (one program per step, the
@@ -192,8 +191,7 @@ def kept_for_backward(s: Shape, st: Setting, layout: str) -> int:
     if not st.checkpointing:
         return s.layers * layer_activations(s, st)
     e, recomputed = DTYPE_BYTES[st.dtype], checkpointed_layers(s, st)
-    inputs = 0 if st.offload else recomputed
-    kept = (inputs + 1) * st.tokens * s.hidden * e + (s.layers - recomputed) * layer_activations(s, st)
+    kept = (recomputed + 1) * st.tokens * s.hidden * e + (s.layers - recomputed) * layer_activations(s, st)
     if layout == "cpu" and st.accumulation == 1 and not (st.chunked_loss or st.fused_head):
         kept += layer_activations(s, st)
     if layout == "cpu" and st.devices == 1:

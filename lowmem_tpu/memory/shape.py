@@ -93,7 +93,6 @@ class Setting:
     master_weights: bool = False  # fp32 copies of the low-precision trainable weights (train.master_weights)
     attention: str = "eager"  # model.attn_implementation: eager/sdpa keep [length, length] scores, chunked/flash not
     checkpoint_every: int = 1  # with checkpointing: one decoder layer in this many is recomputed
-    offload: bool = False  # sharding.offload_activations: checkpointed layer inputs in host memory (TPU)
     chunked_loss: bool = False  # train.chunked_loss: the loss over blocks of positions, no whole logits
 
     @property
@@ -131,7 +130,6 @@ def setting_of(recipe: Recipe, devices: int) -> Setting:
         strategy=recipe.sharding.strategy,
         checkpointing=recipe.sharding.checkpoint_every > 0,
         checkpoint_every=max(recipe.sharding.checkpoint_every, 1),
-        offload=recipe.sharding.offload_activations,
         chunked_loss=t.chunked_loss,
         global_batch=t.global_batch_size,
         accumulation=t.gradient_accumulation_steps,

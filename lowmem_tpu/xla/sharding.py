@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 from collections.abc import Iterator
-from types import MethodType
 from typing import Any
 
 import torch
@@ -111,8 +110,6 @@ def wrap_model(model: nn.Module, cfg: ShardingSection, runtime: Runtime) -> nn.M
     def wrap_layer(module: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
         if every and next(wrapped) % every == 0:
             module = checkpoint_module(module)
-            if cfg.offload_activations:
-                module = offload_saved_inputs(module, runtime)
         return FSDPv2(module, *args, **kwargs)
 
     if every and hasattr(model, "enable_input_require_grads"):
@@ -126,46 +123,6 @@ def wrap_model(model: nn.Module, cfg: ShardingSection, runtime: Runtime) -> nn.M
         auto_wrap_policy=policy,
         auto_wrapper_callable=wrap_layer,
     )
-
-
-def offload_saved_inputs(module: nn.Module, runtime: Runtime) -> nn.Module:
-    """``sharding.offload_activations`` (TPU): what a checkpointed layer saves for its backward (its
-    inputs) goes to host memory and comes back when the backward pass reaches the layer.
-
-    torch_xla 2.9's ``experimental/stablehlo_custom_call.place_to_host``/``place_to_device``
-    annotate a buffer's placement (``_xla_buffer_placement: pinned_host``); torch_xla's checkpoint
-    saves the layer inputs with ``ctx.save_for_backward``, which ``saved_tensors_hooks`` intercept.
-    Under SPMD the side-effecting custom call needs a sharding (the partitioner refuses one
-    without: "Side-effect HLO must have sharding"): the batch's. The CPU backend
-    cannot compile the annotation at all (measured: "Side-effect ops cannot be replicated"), so
-    the recipe refuses this off a TPU; torch_xla's docs pair host offload with ``scan``, which
-    keeps XLA from reordering the copies: this per-layer form is not yet measured on a TPU.
-    """
-    import torch_xla.distributed.spmd as xs
-    from torch_xla.experimental.stablehlo_custom_call import place_to_device, place_to_host
-
-    def moved(placement: Any) -> Any:
-        def move(tensor: torch.Tensor) -> torch.Tensor:
-            # Batch-major activations only (hidden states, rotary tables): split over the batch as the
-            # step splits them. A replicated copy is refused ("Side-effect ops cannot be replicated").
-            if tensor.device.type != "xla" or tensor.dim() < 2 or tensor.shape[0] % runtime.num_devices:
-                return tensor
-            out = placement(tensor)
-            xs.mark_sharding(out, runtime.mesh, ("fsdp", *([None] * (tensor.dim() - 1))))
-            return out
-
-        return move
-
-    forward = module.forward
-
-    def offloaded(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        with torch.autograd.graph.saved_tensors_hooks(moved(place_to_host), moved(place_to_device)):
-            return forward(*args, **kwargs)
-
-    # A bound method, as torch_xla's checkpoint_module makes: FSDPv2 refuses a module whose forward has
-    # no __func__ (spmd_fully_sharded_data_parallel.py, "must define a `forward` method").
-    module.forward = MethodType(offloaded, module)
-    return module
 
 
 def placeholder(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
