@@ -209,16 +209,22 @@ def cpu_drops_checkpointing(st: Setting, layout: str) -> bool:
     return layout == "cpu" and st.accumulation > 1 and st.checkpointing
 
 
-def dropout_masks(s: Shape, st: Setting) -> int:
-    """LoRA dropout's random bits, per device.
+def dropout_masks(s: Shape, st: Setting, layout: str) -> int:
+    """LoRA dropout's random bits, per device: 32 bits per input of each adapted projection.
 
-    XLA's SPMD partitioner does not split random-number generation: every device draws 32-bit
-    random bits for the whole micro-batch (all devices' sequences) at each adapted projection's
-    input. The compiler keeps one layer's (all layers' without checkpointing) for the backward pass.
+    CPU: XLA's SPMD partitioner does not split random-number generation, so every device draws the
+    bits of the whole micro-batch (all devices' sequences); the compiler keeps one layer's (all
+    layers' without checkpointing). TPU: libtpu's ``xla_tpu_spmd_rng_bit_generator_unsafe``
+    (``xla/runtime.py`` sets it) has each chip draw its own sequences' bits, but every layer's are
+    kept for the backward pass, checkpointed or not (the recomputation draws the same bits from the
+    same state, which XLA reuses): measured by the TPU compiler on Open Llama 3B's width, 4 layers,
+    4 x 1024 tokens per chip on v5e-8, 1.58 GiB over no dropout where this gives 1.70.
     """
     if not st.lora or st.lora_dropout == 0:
         return 0
     inputs = sum(i for name, (_, i) in linears(s).items() if name in st.targets)
+    if layout == "tpu":
+        return s.layers * st.live_sequences * st.length * inputs * 4
     layers = s.layers - checkpointed_layers(s, st) + 1 if st.checkpointing else s.layers
     return layers * st.live_sequences * st.devices * st.length * inputs * 4
 
@@ -348,10 +354,10 @@ def plan_setting(s: Shape, st: Setting, layout: str, capacity: int) -> Plan:
         gradient_phase = sum(t.numel * t.itemsize for t in trainable) + head
     if not st.lora:
         gradient_phase += layer_activations(s, st)  # the first layer's backward, with the rest's gradients done
-    act, lg = activations(s, st, layout) + dropout_masks(s, st), logits_bytes(s, st)
+    act, lg = activations(s, st, layout) + dropout_masks(s, st, layout), logits_bytes(s, st)
     # Two moments of the backward pass: the loss's (its buffers and the gathered head, beside what
     # the forward pass kept), then each layer's (its recomputed activations and gradient buffers).
-    loss_phase = kept_for_backward(s, st, layout) + dropout_masks(s, st) + lg + workspace
+    loss_phase = kept_for_backward(s, st, layout) + dropout_masks(s, st, layout) + lg + workspace
     layer_phase = act + backward_workspace(s, st)
     transient = max(loss_phase, layer_phase) + dequantized + (gradients if st.lora else 0)
     peak = weights + optimizer + max(transient, gradient_phase)
@@ -364,10 +370,11 @@ def plan_setting(s: Shape, st: Setting, layout: str, capacity: int) -> Plan:
         gradients=gradients,
         optimizer=optimizer,
         activations=act,
-        activations_checkpointed=activations(s, st, layout, True) + dropout_masks(s, replace(st, checkpointing=True)),
+        activations_checkpointed=activations(s, st, layout, True)
+        + dropout_masks(s, replace(st, checkpointing=True), layout),
         activations_not_checkpointed=activations(s, st, layout, False)
-        + dropout_masks(s, replace(st, checkpointing=False)),
-        dropout_masks=dropout_masks(s, st),
+        + dropout_masks(s, replace(st, checkpointing=False), layout),
+        dropout_masks=dropout_masks(s, st, layout),
         logits=lg,
         workspace=workspace,
         gradient_phase=gradient_phase,
