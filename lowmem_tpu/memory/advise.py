@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from lowmem_tpu.config import Recipe
+from lowmem_tpu.config.checks import flash_tiles
 from lowmem_tpu.config.devices import Device, GiB, device_for, find_device
 from lowmem_tpu.config.platform import tpu_present
 from lowmem_tpu.errors import UserError
@@ -28,13 +29,13 @@ class Step:
     plan: Plan
 
 
-def _more_sharding(st: Setting) -> tuple[Setting, str, str] | None:
+def _more_sharding(st: Setting, layout: str) -> tuple[Setting, str, str] | None:
     if st.strategy == "fsdp" or st.devices == 1:
         return None
     return replace(st, strategy="fsdp"), "shard every weight over all devices (FSDP)", "sharding.strategy=fsdp"
 
 
-def _checkpointing(st: Setting) -> tuple[Setting, str, str] | None:
+def _checkpointing(st: Setting, layout: str) -> tuple[Setting, str, str] | None:
     """Off -> one layer in two -> every layer: each step recomputes more and keeps less."""
     if st.checkpointing and st.checkpoint_every == 1:
         return None
@@ -45,14 +46,14 @@ def _checkpointing(st: Setting) -> tuple[Setting, str, str] | None:
     return replace(st, checkpoint_every=1), text, "sharding.activation_checkpointing=true"
 
 
-def _chunked_loss(st: Setting) -> tuple[Setting, str, str] | None:
+def _chunked_loss(st: Setting, layout: str) -> tuple[Setting, str, str] | None:
     if st.chunked_loss or st.fused_head:
         return None
     text = "chunked loss (256 positions at a time: no whole [tokens, vocab] logits)"
     return replace(st, chunked_loss=True), text, "train.chunked_loss=true"
 
 
-def _accumulation(st: Setting) -> tuple[Setting, str, str] | None:
+def _accumulation(st: Setting, layout: str) -> tuple[Setting, str, str] | None:
     steps = st.accumulation * 2
     if st.sequences < 2 or st.global_batch % (steps * st.devices):
         return None
@@ -60,32 +61,39 @@ def _accumulation(st: Setting) -> tuple[Setting, str, str] | None:
     return replace(st, accumulation=steps), text, f"train.gradient_accumulation_steps={steps}"
 
 
-def _chunked_attention(st: Setting) -> tuple[Setting, str, str] | None:
+def _attention(st: Setting, layout: str) -> tuple[Setting, str, str] | None:
+    """No [length, length] scores: flash on a TPU, chunked elsewhere. The TPU compiler keeps far more
+    of chunked attention than it plans (Open Llama 3B's width, 4 layers, 4 x 2048 tokens per chip on
+    v5e-8: chunked 9.92 GiB, eager 12.39, flash 2.62; scripts/tpu_only_paths.py). Flash only at the
+    lengths its backward tiles."""
     if st.attention in ("chunked", "flash"):
         return None
+    if layout == "tpu" and flash_tiles(st.length):
+        text = "flash attention (torch_xla's Pallas kernel: no [length, length] scores)"
+        return replace(st, attention="flash"), text, "model.attn_implementation=flash"
     text = "chunked attention (keys in blocks of 128: no [length, length] scores)"
     return replace(st, attention="chunked"), text, "model.attn_implementation=chunked"
 
 
-def _fused_head(st: Setting) -> tuple[Setting, str, str] | None:
+def _fused_head(st: Setting, layout: str) -> tuple[Setting, str, str] | None:
     if st.fused_head or st.chunked_loss:
         return None
     return replace(st, fused_head=True), "TRL's chunked LM head (no full logits)", "train.fused_lm_head=true"
 
 
-def _adafactor(st: Setting) -> tuple[Setting, str, str] | None:
+def _adafactor(st: Setting, layout: str) -> tuple[Setting, str, str] | None:
     if st.lora or st.optimizer == "adafactor":
         return None
     return replace(st, optimizer="adafactor"), "Adafactor (factored optimizer state)", "train.optimizer=adafactor"
 
 
-def _lora(st: Setting) -> tuple[Setting, str, str] | None:
+def _lora(st: Setting, layout: str) -> tuple[Setting, str, str] | None:
     if st.lora:
         return None
     return replace(st, lora=True), "LoRA (freeze the base model)", "lora.enabled=true"
 
 
-def _quantize(st: Setting) -> tuple[Setting, str, str] | None:
+def _quantize(st: Setting, layout: str) -> tuple[Setting, str, str] | None:
     """A quantized frozen base (QLoRA): int8 first, then int4. Only under LoRA (the recipe refuses
     a quantized base for full fine-tuning)."""
     if not st.lora or st.quantize == "int4":
@@ -95,7 +103,7 @@ def _quantize(st: Setting) -> tuple[Setting, str, str] | None:
     return replace(st, quantize=bits), f"an {bits} base ({what})", f"model.quantize={bits}"
 
 
-def _shorter(st: Setting) -> tuple[Setting, str, str] | None:
+def _shorter(st: Setting, layout: str) -> tuple[Setting, str, str] | None:
     if st.length <= 256:
         return None
     length = st.length // 2
@@ -110,7 +118,7 @@ TECHNIQUES = (
     _more_sharding,
     _accumulation,
     _chunked_loss,
-    _chunked_attention,
+    _attention,
     _checkpointing,
     _adafactor,
     _lora,
@@ -147,7 +155,7 @@ def _loss_kind(st: Setting) -> str:
 def _next(s: Shape, plan: Plan, repeat_saving: float) -> Step | None:
     """The first technique that lowers the peak (by ``repeat_saving`` when it doubles accumulation again)."""
     for technique in TECHNIQUES:
-        change = technique(plan.setting)
+        change = technique(plan.setting, plan.layout)
         if change is None:
             continue
         candidate = plan_setting(s, change[0], plan.layout, plan.capacity)
