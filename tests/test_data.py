@@ -285,6 +285,16 @@ def test_malformed_files(tmp_path, name, content, message):
         load_records(str(tmp_path / name))
 
 
+@pytest.mark.parametrize("name", ["latin1.jsonl", "latin1.json", "latin1.csv"])
+def test_bytes_that_are_not_utf8_name_the_file_and_line(tmp_path, name):
+    """pyarrow reads such bytes and fails with a traceback only when a row is used: refused at load."""
+    first = b"text\n" if name.endswith(".csv") else b'{"text": "fine"}\n'
+    bad = b"caf\xe9\n" if name.endswith(".csv") else b'{"text": "caf\xe9"}\n'
+    (tmp_path / name).write_bytes(first + bad)
+    with pytest.raises(DataError, match=rf"{name}: line 2 is not UTF-8 \(byte 0xe9 at column \d+\); save the file"):
+        load_records(str(tmp_path / name))
+
+
 def test_missing_file_and_unreachable_hub(tmp_path, monkeypatch):
     import datasets
     import huggingface_hub.constants

@@ -54,6 +54,8 @@ def _load_local(file: Path, split: str) -> datasets.Dataset:
     builder = BUILDERS.get(file.suffix.lower())
     if builder is None:
         raise DataError(f"{file}: unsupported file type {file.suffix!r}; use one of {', '.join(BUILDERS)}")
+    if builder in ("json", "csv"):
+        _check_utf8(file)
     if file.suffix.lower() == ".jsonl":
         _check_json_lines(file)
     elif builder == "json":
@@ -71,6 +73,19 @@ def _load(source: str, failure: str, fix: str, **kwargs: Any) -> datasets.Datase
         return datasets.load_dataset(source, **kwargs)
     except Exception as err:  # datasets raises many types (network, schema, parse); all are user-facing here
         raise DataError(f"{failure}: {type(err).__name__}: {err}; {fix}") from err
+
+
+def _check_utf8(file: Path) -> None:
+    """Fail on the first line that is not UTF-8 (pyarrow reads such bytes and fails only when a row is used)."""
+    with file.open("rb") as lines:
+        for number, raw in enumerate(lines, 1):
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise DataError(
+                    f"{file}: line {number} is not UTF-8 (byte 0x{raw[err.start]:02x} at column {err.start + 1}); "
+                    "save the file as UTF-8 (for example: iconv -f latin1 -t utf-8 FILE > FILE.utf8)"
+                ) from None
 
 
 def _check_json_lines(file: Path) -> None:
