@@ -38,7 +38,7 @@ class SftRun:
     final_dir: Path
     trainer: Any  # XlaSFTTrainer; ``trainer.fsdp_model`` is the trained, wrapped model
     names: Any  # model.names.ParamNames of the unwrapped model
-    stopped: str | None = None  # "SIGTERM" or "max_wall_time" when it saved and stopped early
+    stopped: str | None = None  # "SIGTERM", "SIGINT" or "max_wall_time" when it saved and stopped early
 
 
 @dataclass
@@ -118,7 +118,9 @@ def run_sft(recipe: Recipe, overwrite: bool = False, force_resume: bool = False)
     say(f"runtime: {runtime.describe()}, micro-batch {micro}")
     job = _build(recipe, runtime, tokenizer, train_ds, eval_ds, micro, out)
 
-    before = _evaluate(job, prompts, "at resume" if resume else "before training")
+    # At resume the checkpoint is loaded inside trainer.train(): an evaluation now would score the
+    # untrained model as if it were the resumed one, so there is none.
+    before = {} if resume else _evaluate(job, prompts, "before training")
     say(f"training {recipe.train.max_steps} steps")
     train_started = time.perf_counter()
     result = _train(job, resume)
@@ -192,17 +194,17 @@ def _data(recipe: Recipe, tokenizer: Any, out: Path) -> tuple[Any, dict[str, Any
 
 
 def _train(job: Job, resume: Path | None) -> Any:
-    """Run the trainer with SIGTERM turned into "save at the next step boundary, then stop"."""
+    """Run the trainer with SIGTERM and a first SIGINT turned into "save at the next step boundary, then stop"."""
     import signal
     import threading
 
-    handler_installed = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, job.guard.request_stop) if handler_installed else None
+    handled = (signal.SIGTERM, signal.SIGINT) if threading.current_thread() is threading.main_thread() else ()
+    previous = {s: signal.signal(s, job.guard.request_stop) for s in handled}
     try:
         return job.trainer.train(resume_from_checkpoint=str(resume) if resume else None)
     finally:
-        if handler_installed:
-            signal.signal(signal.SIGTERM, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def _build(recipe: Recipe, runtime, tokenizer, train_ds, eval_ds, micro: int, out: Path) -> Job:

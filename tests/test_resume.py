@@ -70,15 +70,17 @@ def uninterrupted(tmp_path_factory) -> Path:
     return out
 
 
-def test_sigterm_saves_and_resume_is_exact(uninterrupted, tmp_path):
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_sigterm_or_one_interrupt_saves_and_resume_is_exact(uninterrupted, tmp_path, signum, code):
+    """SIGTERM (a preemption) and a first SIGINT (Ctrl-C, a notebook's interrupt) both save and stop."""
     out = tmp_path / "run"
     proc = subprocess.Popen(_cmd(out), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
     for line in proc.stdout:
         if line.startswith("step 3/8"):
-            proc.send_signal(signal.SIGTERM)
+            proc.send_signal(signum)
             break
     stdout = "".join(proc.stdout)
-    assert proc.wait(timeout=300) == 143, proc.stderr.read()[-3000:]
+    assert proc.wait(timeout=300) == code, proc.stderr.read()[-3000:]
     assert "Run the same command again to resume" in stdout
     saved = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert saved and all((out / "checkpoints" / name / "COMPLETE").exists() for name in saved)

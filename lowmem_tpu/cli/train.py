@@ -64,8 +64,8 @@ def sft(
     except KeyboardInterrupt:
         typer.echo("interrupted", err=True)
         raise typer.Exit(130) from None
-    if run.stopped == "SIGTERM":
-        raise typer.Exit(143)
+    if run.stopped in ("SIGTERM", "SIGINT"):
+        raise typer.Exit(143 if run.stopped == "SIGTERM" else 130)
 
 
 @app.command()

@@ -1,8 +1,9 @@
-"""Stopping well: SIGTERM and ``train.max_wall_time`` save first, non-finite losses stop or skip the update."""
+"""Stopping well: SIGTERM, SIGINT and ``train.max_wall_time`` save first, non-finite losses stop or skip the update."""
 
 from __future__ import annotations
 
 import math
+import signal
 import time
 from typing import Any
 
@@ -13,7 +14,7 @@ from lowmem_tpu.errors import NonFiniteError
 
 
 class GuardCallback(TrainerCallback):
-    """Stops on SIGTERM or before ``train.max_wall_time`` (saving first), and on non-finite losses."""
+    """Stops on SIGTERM, SIGINT or before ``train.max_wall_time`` (saving first), and on non-finite losses."""
 
     def __init__(self, max_wall_seconds: float | None, spike_factor: float, warn: Any, skip_nonfinite: bool = False):
         self.deadline = time.monotonic() + max_wall_seconds if max_wall_seconds else None
@@ -27,8 +28,15 @@ class GuardCallback(TrainerCallback):
         self.slowest = 0.0
 
     def request_stop(self, signum: int, frame: Any) -> None:
-        """Signal handler: only sets a flag; the save happens at the next step boundary."""
-        self.stop_reason = "SIGTERM"
+        """Signal handler (SIGTERM, SIGINT): only sets a flag; the save happens at the next step boundary.
+
+        A second SIGINT (Ctrl-C twice, a notebook's interrupt twice) stops at once, without saving."""
+        name = signal.Signals(signum).name
+        if name == "SIGINT" and self.stop_reason == "SIGINT":
+            raise KeyboardInterrupt
+        self.stop_reason = self.stop_reason or name
+        if name == "SIGINT":
+            self.warn("interrupted: saving at the end of this step, then stopping (interrupt again to stop now)")
 
     def on_step_end(self, args, state, control, **kwargs) -> None:
         now = time.monotonic()
