@@ -319,6 +319,9 @@ def compile_beside_plan(
         shape = shape_of(config)
         scaled = int(plan.capacity * plan.peak / result.needed)
         steps = next_steps(shape, plan_setting(shape, replace(plan.setting), plan.layout, scaled))
-        advice = f"{steps[0].technique} [{steps[0].override}]" if steps else "a larger TPU or a smaller model"
+        if steps and steps[-1].plan.fits:  # the whole chain: one step may not be enough (full FT on one chip)
+            advice = " ".join(s.override for s in steps) + " (the planner's steps until it fits, then --compile again)"
+        else:
+            advice = "a larger TPU or a smaller model (nothing in the recipe makes it fit, per the planner)"
     out = compile_json(result, plan.peak, cost) | ({"next_step": advice} if advice else {})
     return result, out, format_compile(result, plan.peak, cost, advice)
