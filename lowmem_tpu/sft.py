@@ -84,7 +84,17 @@ def find_resume(recipe: Recipe, out: Path, force: bool) -> Path | None:
 
 
 def run_sft(recipe: Recipe, overwrite: bool = False, force_resume: bool = False) -> SftRun:
-    """Train as the recipe says and write ``output_dir/final`` (or a checkpoint, if stopped early)."""
+    """Train as the recipe says and write ``output_dir/final`` (or a checkpoint, if stopped early).
+
+    One run per ``output_dir``: a second one (two notebook cells, two shells) is refused while this one lives.
+    """
+    from lowmem_tpu.files import holding
+
+    with holding(Path(recipe.output_dir), "output_dir"):
+        return _run_sft(recipe, overwrite, force_resume)
+
+
+def _run_sft(recipe: Recipe, overwrite: bool, force_resume: bool) -> SftRun:
     from lowmem_tpu.xla.runtime import configure_environment
 
     started = time.perf_counter()

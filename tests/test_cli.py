@@ -128,3 +128,26 @@ def test_sft_with_a_bad_recipe_exits_before_loading_anything(tmp_path):
     assert errors(result.stderr) == "error: lora.r: Input should be greater than 0 (got -1)"
     assert not imported(result.stderr) & set(HEAVY)
     assert not out.exists()
+
+
+def test_a_second_run_into_the_same_output_dir_is_refused_and_a_killed_ones_lock_is_not(tmp_path):
+    """Two notebook cells, two shells: the second run exits 2 naming the holder; a SIGKILLed holder blocks nothing."""
+    import signal
+
+    from lowmem_tpu.files import holding
+
+    out = tmp_path / "run"
+    hold = f"from pathlib import Path\nfrom lowmem_tpu.files import holding\nwith holding(Path({str(out)!r}), 'x'):\n"
+    hold += "    print('held', flush=True)\n    import time; time.sleep(600)\n"
+    holder = subprocess.Popen([sys.executable, "-c", hold], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        second = cli("sft", "recipes/tiny_lora_cpu.yaml", f"output_dir={out}")
+        assert second.returncode == 2 and "Traceback" not in second.stderr
+        assert f"output_dir: {out} is in use by lowmem-tpu (pid {holder.pid} on" in second.stderr
+        assert not (out / "final").exists() and not (out / "metrics.jsonl").exists()
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    with holding(out, "output_dir"):  # the kernel dropped the killed holder's lock
+        pass
