@@ -219,6 +219,27 @@ def test_offload_is_refused_everywhere_with_what_the_tpu_compiler_measured(devic
         load_recipe("recipes/tiny_lora_cpu.yaml", [f"runtime.device={device}", "sharding.offload_activations=true"])
 
 
+@pytest.mark.tpu
+@pytest.mark.skipif(__import__("os").environ.get("PJRT_DEVICE", "CPU").upper() != "TPU", reason="needs a TPU")
+def test_a_tpu_run_partitions_dropouts_bits_over_the_chips(tmp_path_factory):  # pragma: no cover - TPU only
+    """libtpu's --xla_tpu_spmd_rng_bit_generator_unsafe (xla/runtime.py) reaches the run: with it each chip
+    draws its own sequences' bits (compiled here: tests/test_tpu_only_paths.py), so dropout trains and its
+    HBM peak stays near the run without dropout instead of growing with the whole batch."""
+    import math
+    import os
+
+    from tiny_models import train_tiny
+
+    quick = ["runtime.device=tpu", "runtime.target=null", "model.dtype=bfloat16", "data.max_length=128"]
+    quick += ["train.max_steps=3", "train.logging_steps=1", "train.eval_samples=0", "data.eval_path=null"]
+    _, plain = train_tiny(tmp_path_factory, "no-dropout", *quick)
+    _, dropped = train_tiny(tmp_path_factory, "dropout", *quick, "lora.dropout=0.1")
+    assert "--xla_tpu_spmd_rng_bit_generator_unsafe=true" in os.environ["LIBTPU_INIT_ARGS"].split()
+    assert all(math.isfinite(x["loss"]) for x in dropped.metrics["train"]["losses"])
+    peaks = [r.metrics["memory"]["per_device_bytes"]["measured_peak"] for r in (plain, dropped)]
+    assert peaks[1] < 1.5 * peaks[0], peaks
+
+
 # ----------------------------------------------------------------------------- packing
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -54,12 +55,12 @@ def _load_local(file: Path, split: str) -> datasets.Dataset:
     builder = BUILDERS.get(file.suffix.lower())
     if builder is None:
         raise DataError(f"{file}: unsupported file type {file.suffix!r}; use one of {', '.join(BUILDERS)}")
-    if builder in ("json", "csv"):
-        _check_utf8(file)
     if file.suffix.lower() == ".jsonl":
         _check_json_lines(file)
     elif builder == "json":
         _check_json(file)
+    elif builder == "csv":
+        _check_utf8(file)
     records = _load(builder, f"could not read {file}", "check the file", data_files=str(file), split="train")
     if len(records) == 0:
         raise DataError(f"{file} holds no records")
@@ -75,12 +76,13 @@ def _load(source: str, failure: str, fix: str, **kwargs: Any) -> datasets.Datase
         raise DataError(f"{failure}: {type(err).__name__}: {err}; {fix}") from err
 
 
-def _check_utf8(file: Path) -> None:
-    """Fail on the first line that is not UTF-8 (pyarrow reads such bytes and fails only when a row is used)."""
+def _utf8_lines(file: Path) -> Iterator[tuple[int, str]]:
+    """The file's lines, numbered; the first that is not UTF-8 fails (pyarrow reads such bytes and
+    fails only when a row is used, with a traceback)."""
     with file.open("rb") as lines:
         for number, raw in enumerate(lines, 1):
             try:
-                raw.decode("utf-8")
+                yield number, raw.decode("utf-8")
             except UnicodeDecodeError as err:
                 raise DataError(
                     f"{file}: line {number} is not UTF-8 (byte 0x{raw[err.start]:02x} at column {err.start + 1}); "
@@ -88,23 +90,27 @@ def _check_utf8(file: Path) -> None:
                 ) from None
 
 
+def _check_utf8(file: Path) -> None:
+    for _ in _utf8_lines(file):
+        pass
+
+
 def _check_json_lines(file: Path) -> None:
     """Fail on the first line of a JSON-lines file that is not one JSON object, or on an empty file."""
     records = 0
-    with file.open(encoding="utf-8", errors="replace") as lines:
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise DataError(
-                    f"{file}: line {number} is not valid JSON ({err.msg}, column {err.colno}); "
-                    "each line must hold one JSON object (a JSON array belongs in a .json file)"
-                ) from None
-            if not isinstance(record, dict):
-                raise DataError(f"{file}: line {number} is a JSON {type(record).__name__}, not an object")
-            records += 1
+    for number, line in _utf8_lines(file):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise DataError(
+                f"{file}: line {number} is not valid JSON ({err.msg}, column {err.colno}); "
+                "each line must hold one JSON object (a JSON array belongs in a .json file)"
+            ) from None
+        if not isinstance(record, dict):
+            raise DataError(f"{file}: line {number} is a JSON {type(record).__name__}, not an object")
+        records += 1
     if not records:
         raise DataError(f"{file} holds no records")
 
@@ -115,6 +121,7 @@ def _check_json(file: Path) -> None:
     if not text.lstrip().startswith("["):
         _check_json_lines(file)
         return
+    _check_utf8(file)
     try:
         records = json.loads(text)
     except json.JSONDecodeError as err:

@@ -110,10 +110,10 @@ def _shorter(st: Setting, layout: str) -> tuple[Setting, str, str] | None:
     return replace(st, length=length), f"shorter sequences ({length} tokens)", f"data.max_length={length}"
 
 
-# Cheapest first: sharding, accumulation and the chunked loss cost (almost) no speed, chunked
-# attention some, checkpointing recomputes layers' forward passes (half, then all); then what
-# changes the training itself. TRL's fused head (which
-# doubles the XLA step time) is left for when the chunked loss cannot be used.
+# Cheapest first: sharding, accumulation and the chunked loss cost (almost) no speed, flash or
+# chunked attention some, checkpointing recomputes layers' forward passes (half, then all); then
+# what changes the training itself. TRL's fused head (which doubles the XLA step time) is left for
+# when the chunked loss cannot be used.
 TECHNIQUES = (
     _more_sharding,
     _accumulation,

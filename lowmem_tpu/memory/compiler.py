@@ -147,7 +147,7 @@ class HbmAllocations:
     outputs: int  # HBM allocations live out of the program that are not parameters
     temporaries: int  # every other HBM allocation (the temporary arena, constants, thread-local)
     scratch: int  # on-chip: VMEM, SMEM, semaphores (layouts S(1) to S(4), S(6)), not HBM
-    host: int = 0  # colour 5, layout S(5): pinned host memory (what host offload moved out of HBM)
+    host: int = 0  # colour 5, layout S(5): pinned host memory (host offload's copies), not HBM
 
 
 _COLOUR = re.compile(r"\bcolor (\d+)")

@@ -170,10 +170,9 @@ def activations(s: Shape, st: Setting, layout: str, checkpointing: bool | None =
         return s.layers * (layer_activations(s, st) - attention_scores(s, st)) + attention_scores(s, st)
     st = replace(st, checkpointing=True)
     e, recomputed = DTYPE_BYTES[st.dtype], checkpointed_layers(s, st)
-    inputs = recomputed
     # The backward pass frees each layer's activations as it passes: one recomputed layer at a time,
     # or the layers that keep theirs (the last layer's backward runs first).
-    kept = (inputs + 1) * st.tokens * s.hidden * e + max(s.layers - recomputed, 1) * layer_activations(s, st)
+    kept = (recomputed + 1) * st.tokens * s.hidden * e + max(s.layers - recomputed, 1) * layer_activations(s, st)
     if layout == "cpu" and st.devices == 1:
         kept += recomputed * (3 * st.tokens * s.hidden * e + attention_scores(s, st))
     return kept

@@ -187,8 +187,8 @@ def _trace_hook(record: dict[str, Any], result: Path) -> Any:
             try:
                 rt.sync()  # hands the step to the CPU compiler: the watcher takes it and leaves
             except RuntimeError:
-                # TPU-only code (a Pallas kernel, host offload) the CPU compiler refuses after the dump
-                # was written: the watcher still takes it, unless the refusal came before.
+                # TPU-only code (a Pallas kernel) the CPU compiler refuses after the dump was written:
+                # the watcher still takes it, unless the refusal came before.
                 time.sleep(30)
                 raise
             time.sleep(600)  # never reached unless the dump is missing

@@ -54,7 +54,7 @@ class TpuCompile:
     aliased: int = 0
     temporaries: int = 0  # HBM only (colour 0 of the buffer assignment)
     scratch: int = 0  # on-chip memory (VMEM, SMEM, ...): the other colours, not HBM
-    host: int = 0  # pinned host memory the program uses (host offload), not HBM
+    host: int = 0  # pinned host memory the program uses (layout S(5)), not HBM
     kernels: int = 0  # Pallas kernels (tpu_custom_call) in the traced program
     generated_code: int = 0
     cost: dict[str, float] = field(default_factory=dict)
@@ -99,6 +99,7 @@ class TracedStep:
     trace_seconds: float
     host_peak_rss_bytes: int
     key: str  # the program, the target, libtpu and our compile step: equal keys compile alike
+    kernels: int = 0  # Pallas kernels (tpu_custom_call) in the program
 
 
 def trace_step(recipe: Recipe, device: Device, work: Path, timeout: float = 3600) -> TracedStep:
@@ -108,7 +109,7 @@ def trace_step(recipe: Recipe, device: Device, work: Path, timeout: float = 3600
     n = device.devices
     dump = work / "trace"
     dump.mkdir(parents=True, exist_ok=True)
-    # Checked as the TPU run it stands for (flash, offload are TPU fields); the child traces it on the CPU.
+    # Checked as the TPU run it stands for (flash is a TPU field); the child traces it on the CPU.
     overrides = ["runtime.device=tpu", "runtime.compile_cache_dir=null"]
     env = {
         "PJRT_DEVICE": "CPU",
@@ -136,12 +137,14 @@ def trace_step(recipe: Recipe, device: Device, work: Path, timeout: float = 3600
     digest.update(json.dumps({k: v for k, v in request.items() if not k.startswith("module")}).encode())
     digest.update(Path(tpu_compiler_source()).read_bytes())
     digest.update(_package_version("libtpu").encode() + _package_version("jax").encode())
-    if "rng-bit-generator" in Path(traced["module_text"]).read_text():  # the only op our libtpu flags change
+    text = Path(traced["module_text"]).read_text()
+    if "rng-bit-generator" in text:  # the only op our libtpu flags change
         from lowmem_tpu.xla.runtime import with_libtpu_flags
 
         digest.update(with_libtpu_flags(os.environ.get("LIBTPU_INIT_ARGS", "")).encode())
     seconds = round(time.perf_counter() - started, 1)  # the whole trace, the subprocess's start included
-    return TracedStep(request, seconds, traced.get("host_peak_rss_bytes", 0), digest.hexdigest())
+    kernels = text.count('custom_call_target="tpu_custom_call"')
+    return TracedStep(request, seconds, traced.get("host_peak_rss_bytes", 0), digest.hexdigest(), kernels)
 
 
 def compile_traced(traced: TracedStep, device: Device, work: Path, timeout: float = 3600) -> TpuCompile:
@@ -175,7 +178,7 @@ def compile_traced(traced: TracedStep, device: Device, work: Path, timeout: floa
         temporaries=hbm.temporaries,
         scratch=hbm.scratch,
         host=hbm.host,
-        kernels=Path(traced.request["module_text"]).read_text().count('custom_call_target="tpu_custom_call"'),
+        kernels=traced.kernels,
         generated_code=stats["generated_code_size_in_bytes"],
         cost=compiled.get("cost", {}),
         compiler_stats=stats,
