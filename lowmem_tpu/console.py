@@ -10,7 +10,11 @@ _START: float | None = None
 
 
 def say(message: str) -> None:
-    """One stage line, with the seconds since the first one."""
+    """One stage line, with the seconds since the first one (on host 0 only: a pod slice's hosts say the same)."""
+    from lowmem_tpu import hosts
+
+    if not hosts.is_main():
+        return
     global _START
     _START = _START or time.perf_counter()
     print(f"[{time.perf_counter() - _START:6.1f}s] {message}", flush=True)

@@ -309,6 +309,18 @@ def _cache_check(second: dict[str, Any] | None, error: str) -> Check:
 # ----------------------------------------------------------------------------- the report
 
 
+def _slice_check(on_tpu: bool) -> Check | None:
+    """On one host of a pod slice the training check cannot run alone: say so instead of hanging."""
+    from lowmem_tpu.xla.runtime import slice_hosts
+
+    count = slice_hosts("tpu") if on_tpu else 1
+    if count == 1:
+        return None
+    detail = f"this VM is one of {count} hosts: the training check (a one-host TPU program) would wait for the others"
+    fix = "train the tiny recipe on every host at once (see docs/pods.md), or run doctor on a single-host VM"
+    return Check("pod slice", "warn", detail, fix)
+
+
 def run_doctor(out: Path, train: bool = True, echo: Any = print) -> dict[str, Any]:
     """Run every check, printing each as it comes; write the report to ``out`` (JSON) and return it."""
     from lowmem_tpu import __version__
@@ -332,6 +344,10 @@ def run_doctor(out: Path, train: bool = True, echo: Any = print) -> dict[str, An
     on_tpu = facts.get("chip_generation") is not None or tpu_present()
     add(check_host("tpu" if on_tpu else "cpu"))
     add([check_tpu_compiler()] if not on_tpu else [_flash_check()])
+    hosts = _slice_check(on_tpu)
+    if hosts:
+        add([hosts])
+        train = False
     if train:
         echo(f"training a tiny bf16 LoRA model on every {'TPU' if on_tpu else 'CPU-backend'} device (about a minute)")
         checks, facts = check_training(on_tpu)

@@ -62,11 +62,13 @@ class Job:
 
 def find_resume(recipe: Recipe, out: Path, force: bool) -> Path | None:
     """The checkpoint this run continues from, after cleaning up half-written ones."""
+    from lowmem_tpu import hosts
     from lowmem_tpu.console import say
     from lowmem_tpu.train import checkpoint as ckpt
 
-    for stale in ckpt.remove_incomplete(out):
+    for stale in ckpt.remove_incomplete(out) if hosts.is_main() else []:
         say(f"removed an incomplete checkpoint: {stale}")
+    hosts.barrier()
     resume = ckpt.resolve_resume(recipe.train.resume, out)
     if resume is None:
         return None
@@ -87,23 +89,33 @@ def run_sft(recipe: Recipe, overwrite: bool = False, force_resume: bool = False)
     """Train as the recipe says and write ``output_dir/final`` (or a checkpoint, if stopped early).
 
     One run per ``output_dir``: a second one (two notebook cells, two shells) is refused while this one lives.
+    On a pod slice every host runs this; host 0 holds the lock, logs and writes (``lowmem_tpu.hosts``).
     """
+    import contextlib
+
+    from lowmem_tpu import hosts
     from lowmem_tpu.files import holding
-
-    with holding(Path(recipe.output_dir), "output_dir"):
-        return _run_sft(recipe, overwrite, force_resume)
-
-
-def _run_sft(recipe: Recipe, overwrite: bool, force_resume: bool) -> SftRun:
-    from lowmem_tpu.xla.runtime import configure_environment
+    from lowmem_tpu.xla.runtime import configure_environment, setup_runtime
 
     started = time.perf_counter()
-    out = prepare_output(recipe, overwrite)
     configure_environment(recipe.runtime)  # before transformers imports torch_xla
     if recipe.runtime.quiet:
         from lowmem_tpu.console import quiet_python_warnings
 
         quiet_python_warnings()  # before datasets prints its progress bars
+    runtime = setup_runtime(recipe.runtime)  # on a pod slice: which host this is, and the host group
+    lock = holding(Path(recipe.output_dir), "output_dir") if hosts.is_main() else contextlib.nullcontext()
+    with lock:
+        run = _run_sft(recipe, runtime, overwrite, force_resume, started)
+    hosts.leave()
+    return run
+
+
+def _run_sft(recipe: Recipe, runtime: Any, overwrite: bool, force_resume: bool, started: float) -> SftRun:
+    from lowmem_tpu import hosts
+
+    out = prepare_output(recipe, overwrite)
+    hosts.check_shared(out)
     from lowmem_tpu.train.metrics import check_reporters
 
     check_reporters(recipe.train.reporters)  # a missing integration fails now, not after loading
@@ -121,9 +133,6 @@ def _run_sft(recipe: Recipe, overwrite: bool, force_resume: bool) -> SftRun:
     tokenizer = _tokenizer(recipe)
     train_ds, data_stats, eval_ds, prompts = _data(recipe, tokenizer, out)
 
-    from lowmem_tpu.xla.runtime import setup_runtime
-
-    runtime = setup_runtime(recipe.runtime)
     micro = micro_batch_size(recipe, runtime.num_devices)
     say(f"runtime: {runtime.describe()}, micro-batch {micro}")
     job = _build(recipe, runtime, tokenizer, train_ds, eval_ds, micro, out)
@@ -156,8 +165,11 @@ def _run_sft(recipe: Recipe, overwrite: bool, force_resume: bool) -> SftRun:
         )
     final = _save(recipe, job, tokenizer, out, metrics)
     metrics["time"]["total_seconds"] = round(time.perf_counter() - started, 1)
+    from lowmem_tpu import hosts
     from lowmem_tpu.files import write_json
 
+    if not hosts.is_main():
+        return SftRun(metrics, final, job.trainer, job.names)
     write_json(final / "metrics.json", metrics)
     print_summary(metrics, final)
     if recipe.hub.push:
@@ -183,11 +195,20 @@ def _tokenizer(recipe: Recipe) -> Any:
 
 def _data(recipe: Recipe, tokenizer: Any, out: Path) -> tuple[Any, dict[str, Any], Any, Any]:
     """Training rows, held-out rows and exact-match prompts (tokenized once, then read from the cache)."""
-    from lowmem_tpu import data
+    from lowmem_tpu import data, hosts
     from lowmem_tpu.console import say
 
     cache_dir = out / "data_cache"
+    # Every host builds the same global batches (XLA keeps each host's rows): host 0 tokenizes and
+    # writes the cache, the others then read it.
+    if not hosts.is_main():
+        hosts.barrier()
     train_ds, stats = data.build_dataset(recipe.data, tokenizer, cache_dir=cache_dir)
+    if hosts.is_main():
+        hosts.barrier()
+    differs = hosts.disagreement("the training rows", stats["rows_sha256"])
+    if differs:
+        raise UserError(f"data: {differs}; every host must read the same files (a shared disk, or the same copy)")
     cached = ", from the cache" if stats["cached"] else ""
     say(
         f"data: {stats['samples']:,} samples -> {stats['rows']:,} rows of {recipe.data.max_length} tokens "
@@ -246,7 +267,10 @@ def _build(recipe: Recipe, runtime, tokenizer, train_ds, eval_ds, micro: int, ou
     guard = GuardCallback(wall, t.loss_spike_factor, say, skip_nonfinite=t.on_nonfinite == "skip")
     flops = m.flops_per_token(model.config, total, trainable, recipe.data.max_length, recipe.lora.enabled)
     plan = run_plan(recipe, model.config, runtime.platform, runtime.kind, runtime.num_devices)
-    callbacks = [metrics, guard, JsonlLog(recipe.output_dir, runtime), ProgressCallback()]
+    from lowmem_tpu import hosts
+
+    shown = [JsonlLog(recipe.output_dir, runtime), ProgressCallback()] if hosts.is_main() else []
+    callbacks = [metrics, guard, *shown]
     trainer = build_trainer(
         recipe,
         runtime,
@@ -258,6 +282,7 @@ def _build(recipe: Recipe, runtime, tokenizer, train_ds, eval_ds, micro: int, ou
         eval_dataset=eval_ds,
         flops_per_token=flops,
         planned_bytes=plan.peak if plan else None,
+        base_reference=base,
     )
     parts = (model, trainer.names, trainer, metrics, guard, base, trainable, total, micro, runtime, tokenizer, flops)
     return Job(*parts, plan)
@@ -270,8 +295,10 @@ def _base_reference(recipe: Recipe, model, tokenizer, out: Path) -> str:
     if not recipe.model.random_init:
         source = resolve_source(recipe.model.name_or_path)
         return str(Path(source).expanduser().resolve()) if Path(source).expanduser().exists() else source
+    from lowmem_tpu import hosts
+
     base = out / "base"
-    if recipe.lora.enabled:
+    if recipe.lora.enabled and hosts.is_main():  # the model is still on the host here, whole on every host
         model.save_pretrained(base)
         tokenizer.save_pretrained(base)
     return str(base.resolve())
@@ -307,22 +334,27 @@ def _evaluate(job: Job, prompts, label: str) -> dict[str, Any]:
 
 
 def _save(recipe: Recipe, job: Job, tokenizer, out: Path, metrics: dict[str, Any]) -> Path:
+    """Write ``final/`` on host 0; the weights' host copies are gathered on every host (a collective)."""
+    from lowmem_tpu import hosts
     from lowmem_tpu.console import say
     from lowmem_tpu.files import fresh_partial, publish
     from lowmem_tpu.publish.export import check_adapter, save_adapter, save_full_model
 
     final = out / "final"
-    partial = fresh_partial(final)
-    if recipe.lora.enabled:
-        keys = save_adapter(job.model, job.names, partial, job.base)
-        check_adapter(partial, keys)
-    else:
-        save_full_model(job.model, job.names, partial)
-    # Saved for generation: left padding, so batched prompts end where the new tokens start.
-    tokenizer.padding_side = tokenizer.init_kwargs["padding_side"] = "left"
-    tokenizer.save_pretrained(partial)
-    tokenizer.padding_side = tokenizer.init_kwargs["padding_side"] = "right"
-    (partial / "recipe.yaml").write_text(recipe.to_yaml())
-    publish(partial, final)
+    state = job.names.adapter_state() if recipe.lora.enabled else job.names.host_state()
+    if hosts.is_main():
+        partial = fresh_partial(final)
+        if recipe.lora.enabled:
+            save_adapter(job.model, state, partial, job.base)
+            check_adapter(partial, sorted(state))
+        else:
+            save_full_model(job.model, state, partial)
+        # Saved for generation: left padding, so batched prompts end where the new tokens start.
+        tokenizer.padding_side = tokenizer.init_kwargs["padding_side"] = "left"
+        tokenizer.save_pretrained(partial)
+        tokenizer.padding_side = tokenizer.init_kwargs["padding_side"] = "right"
+        (partial / "recipe.yaml").write_text(recipe.to_yaml())
+        publish(partial, final)
+    hosts.barrier()
     say(f"saved {'adapter' if recipe.lora.enabled else 'model'} to {final}")
     return final

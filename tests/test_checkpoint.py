@@ -91,3 +91,60 @@ def test_tensorboard_receives_the_logs(tmp_path_factory):
     )
     events = list((Path(recipe.output_dir) / "runs").rglob("events.out.tfevents.*"))
     assert events and events[0].stat().st_size > 0
+
+
+def _probe(checkpoint: Path, out: Path, devices: int, *overrides: str) -> Path:
+    """Restore ``checkpoint`` on ``devices`` CPU devices and save it again (tests/reshard_probe.py)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "CPU_NUM_DEVICES"} | {"CPU_NUM_DEVICES": str(devices)}
+    probe = Path(__file__).with_name("reshard_probe.py")
+    cmd = [sys.executable, str(probe), str(checkpoint), str(out), f"runtime.num_cpu_devices={devices}", *overrides]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=probe.parents[1])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"saved on {devices} devices" in done.stdout
+    return out / "checkpoints" / checkpoint.name
+
+
+def _same_state(a: Path, b: Path) -> None:
+    import torch
+
+    from lowmem_tpu.train import checkpoint as ckpt
+
+    left, right = ckpt.read_whole(a), ckpt.read_whole(b)
+    assert sorted(left) == sorted(right)
+    for key, value in left.items():
+        if isinstance(value, torch.Tensor):
+            assert value.dtype == right[key].dtype and torch.equal(value, right[key]), key
+        else:
+            assert value == right[key], key
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "mode",
+    [
+        ("lora.dropout=0.0",),
+        ("lora.enabled=false", "model.dtype=bfloat16"),  # full fine-tuning with fp32 master weights
+    ],
+    ids=["lora", "full-bf16-masters"],
+)
+def test_a_checkpoint_saved_on_4_devices_restores_on_8_and_back_bit_for_bit(tmp_path, mode):
+    """Sharded state (DCP with torch_xla's SPMD planners): each device count reads only its own regions."""
+    from lowmem_tpu.config import load_recipe
+    from lowmem_tpu.sft import run_sft
+    from lowmem_tpu.train import checkpoint as ckpt
+
+    overrides = ("train.max_steps=2", "train.save_steps=2", "train.eval_samples=0", "data.eval_path=null", *mode)
+    run_sft(load_recipe("recipes/tiny_lora_cpu.yaml", [f"output_dir={tmp_path / 'on4'}", *overrides]))
+    saved = tmp_path / "on4" / "checkpoints" / "step-2"
+    kinds = {key.split("/")[0] for key in ckpt.read_metadata(saved)}
+    assert kinds == (
+        {"trainable", "optimizer", "master"} if "lora.enabled=false" in mode else {"trainable", "optimizer"}
+    )
+    on8 = _probe(saved, tmp_path / "on8", 8, *overrides)
+    _same_state(saved, on8)
+    back = _probe(on8, tmp_path / "back4", 4, *overrides)
+    _same_state(saved, back)

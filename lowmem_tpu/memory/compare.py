@@ -79,6 +79,9 @@ def measure_beside_plan(recipe: Recipe) -> dict[str, Any]:
     """``lowmem-tpu memory --measure``: the compiler's per-device peak of the recipe's real step (the
     TPU compiler on a TPU, else the CPU compiler on ``runtime.num_cpu_devices`` devices), beside the
     plan for the same devices and layout, and the planner's error against it."""
+    from lowmem_tpu.xla.runtime import refuse_on_a_slice
+
+    refuse_on_a_slice("lowmem-tpu memory --measure", recipe.runtime.device)
     measured = _measured(recipe, steps=0, run=False)
     layout = "tpu" if on_tpu(recipe.runtime.device) else "cpu"
     setting = setting_of(recipe, measured["devices"])
@@ -120,6 +123,9 @@ def _planned(plan: Plan) -> dict[str, Any]:
 
 def compare_recipe(recipe: Recipe, steps: int, out: Path) -> dict[str, Any]:
     """Plan and measure the recipe as LoRA and as full fine-tuning; write compare.json and compare.png."""
+    from lowmem_tpu.xla.runtime import refuse_on_a_slice
+
+    refuse_on_a_slice("lowmem-tpu compare", recipe.runtime.device)
     config = require_config(recipe)
     shape = shape_of(config)
     target = DEVICES.get(recipe.runtime.target or "")

@@ -9,19 +9,18 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
-
-from lowmem_tpu.model.names import ParamNames
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 
 
-def save_adapter(peft_model: Any, names: ParamNames, out: Path, base_name_or_path: str) -> list[str]:
-    """Save the LoRA adapter as PEFT does (weights + config naming its base); returns the keys."""
+def save_adapter(peft_model: Any, state: dict[str, torch.Tensor], out: Path, base_name_or_path: str) -> list[str]:
+    """Save the LoRA adapter as PEFT does (weights under PEFT's keys, ``ParamNames.adapter_state``, + config
+    naming its base); returns the keys."""
     from safetensors.torch import save_file
 
-    state = names.adapter_state()
     out.mkdir(parents=True, exist_ok=True)
     save_file(state, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     config = peft_model.peft_config["default"]
@@ -30,11 +29,10 @@ def save_adapter(peft_model: Any, names: ParamNames, out: Path, base_name_or_pat
     return sorted(state)
 
 
-def save_full_model(model: nn.Module, names: ParamNames, out: Path, max_shard_size: str = "2GB") -> None:
-    """Save every parameter as safetensors shards that ``from_pretrained`` loads."""
+def save_full_model(model: nn.Module, state: dict[str, torch.Tensor], out: Path, max_shard_size: str = "2GB") -> None:
+    """Save every parameter (``ParamNames.host_state``) as safetensors shards that ``from_pretrained`` loads."""
     from huggingface_hub import save_torch_state_dict
 
-    state = names.host_state()
     out.mkdir(parents=True, exist_ok=True)
     save_torch_state_dict(state, out, max_shard_size=max_shard_size)
     model.config.save_pretrained(out)

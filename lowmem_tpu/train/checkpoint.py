@@ -2,15 +2,20 @@
 
 A checkpoint is written to ``output_dir/checkpoints/step-N.partial`` and renamed to
 ``step-N`` after its ``COMPLETE`` marker (written last); older checkpoints are deleted only
-after that. It holds the trainable state (adapter or full model, clean names, safetensors),
-the optimizer and scheduler, the RNG states (python, numpy, torch, XLA: the Trainer's own
-``rng_state.pth``), ``trainer_state.json`` (step and data position) and the resolved recipe.
+after that. ``state/`` holds the sharded tensors in ``torch.distributed.checkpoint`` form, each
+host writing its own shards (``xla.sharded_state``): the trainable weights (``trainable/NAME``,
+clean names), the optimizer's state (``optimizer/I/KEY``) and fp32 master weights (``master/J``).
+Beside it, written by host 0: the optimizer's param groups, the scheduler, the RNG states (the
+Trainer's own ``rng_state.pth``), ``trainer_state.json`` (step and data position), the resolved
+recipe, and what ``lowmem-tpu export`` needs to turn the checkpoint into an adapter or a model
+(``export/``: the adapter's config and key map, or the model's config; the tokenizer).
 """
 
 from __future__ import annotations
 
 import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +26,11 @@ from lowmem_tpu.errors import UserError
 from lowmem_tpu.files import publish
 
 COMPLETE = "COMPLETE"
-WEIGHTS = "trainable.safetensors"
-OPTIMIZER = "optimizer.pt"
+STATE = "state"
+GROUPS = "optimizer_groups.pt"
+EXPORT = "export"
+ADAPTER_KEYS = "adapter_keys.json"
+TRAINABLE, OPTIMIZER, MASTER = "trainable/", "optimizer/", "master/"
 SCHEDULER = "scheduler.pt"
 RECIPE = "recipe.yaml"
 STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -59,10 +67,18 @@ def resolve_resume(setting: str, output_dir: str | Path) -> Path | None:
         return None
     if setting == "auto":
         found = complete_checkpoints(output_dir)
-        return found[-1] if found else None
-    path = Path(setting).expanduser()
-    if not (path / COMPLETE).exists():
-        raise UserError(f"train.resume: {path} is not a complete checkpoint (no {COMPLETE} marker)")
+        if not found:
+            return None
+        path = found[-1]
+    else:
+        path = Path(setting).expanduser()
+        if not (path / COMPLETE).exists():
+            raise UserError(f"train.resume: {path} is not a complete checkpoint (no {COMPLETE} marker)")
+    if not (path / STATE / ".metadata").is_file():
+        raise UserError(
+            f"train.resume: {path} was written by an earlier lowmem-tpu (one host's safetensors, not sharded "
+            "state/); resume it with that version, or start over with train.resume=never"
+        )
     return path
 
 
@@ -88,16 +104,39 @@ def _lookup(data: dict[str, Any], dotted: str) -> Any:
     return data
 
 
-def save_trainable(state: dict[str, torch.Tensor], directory: Path) -> None:
-    from safetensors.torch import save_file
+def optimizer_entries(state: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """An optimizer's checkpoint state as flat entries (``optimizer/I/KEY``, ``master/J``) and its param groups."""
+    flat = {f"{OPTIMIZER}{i}/{k}": v for i, values in state["state"].items() for k, v in values.items()}
+    flat |= {f"{MASTER}{j}": m for j, m in enumerate(state.get("master_weights") or [])}
+    return flat, state["param_groups"]
 
-    save_file({k: v.contiguous() for k, v in state.items()}, str(directory / WEIGHTS))
+
+def read_metadata(directory: Path) -> dict[str, Any]:
+    """Every entry's storage metadata in a checkpoint's ``state/`` (tensor shapes and dtypes), by key."""
+    import torch.distributed.checkpoint as dcp
+
+    return dict(dcp.FileSystemReader(str(directory / STATE)).read_metadata().state_dict_metadata)
 
 
-def load_trainable(directory: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+def read_whole(directory: Path, prefix: str = "") -> dict[str, Any]:
+    """The entries under ``prefix`` as whole host tensors (or saved objects), on any machine, no devices."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    return load_file(str(directory / WEIGHTS))
+    targets: dict[str, Any] = {}
+    for key, meta in read_metadata(directory).items():
+        if key.startswith(prefix):
+            is_tensor = isinstance(meta, TensorStorageMetadata)
+            targets[key] = torch.empty(meta.size, dtype=meta.properties.dtype) if is_tensor else None
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(targets, storage_reader=dcp.FileSystemReader(str(directory / STATE)), no_dist=True)
+    return targets
+
+
+def read_trainable(directory: Path) -> dict[str, torch.Tensor]:
+    """The trainable weights of a checkpoint under their clean names."""
+    return {k.removeprefix(TRAINABLE): v for k, v in read_whole(directory, TRAINABLE).items()}
 
 
 def finish(partial: Path, keep_last: int) -> Path:

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
+from lowmem_tpu import hosts
 from lowmem_tpu.errors import NonFiniteError
 
 
@@ -45,6 +46,8 @@ class GuardCallback(TrainerCallback):
         # Leave room for a few more steps and a checkpoint before the deadline.
         if self.deadline and self.stop_reason is None and now + 3 * self.slowest + 30 > self.deadline:
             self.stop_reason = "max_wall_time"
+        # On a pod slice every host stops at the same step, or the others hang in the next collective.
+        self.stop_reason = hosts.agree_stop(self.stop_reason)
         if self.stop_reason:
             control.should_save = True
             control.should_training_stop = True

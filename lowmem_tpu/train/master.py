@@ -63,15 +63,28 @@ def checkpoint_state(optimizer: Any) -> dict[str, Any]:
     return state
 
 
-@torch.no_grad()
-def load_checkpoint_state(optimizer: Any, state: dict[str, Any]) -> None:
-    """Restore what :func:`checkpoint_state` saved (the masters into their sharded copies, then the rest)."""
-    state = dict(state)
-    masters, inner = state.pop(MASTERS, None), _inner(optimizer)
-    if masters is not None and isinstance(inner, _MasterWeights):
-        for (_, master), saved in zip(inner.pairs, masters, strict=True):
-            master.copy_(saved.to(master.device))
-    optimizer.load_state_dict(state)
+def masters_of(optimizer: Any) -> list[torch.Tensor]:
+    """The fp32 master weights, in :func:`checkpoint_state`'s order ([] without them)."""
+    inner = _inner(optimizer)
+    return [master for _, master in inner.pairs] if isinstance(inner, _MasterWeights) else []
+
+
+def restore_checkpoint_state(optimizer: Any, loaded: dict[str, Any], params: list[torch.Tensor]) -> None:
+    """Put loaded ``optimizer/I/KEY`` entries into the optimizer's state for ``params[I]``.
+
+    Tensors already on the devices (loaded in place, sharded like their parameter) stay as they are;
+    ``step`` stays on the host as torch keeps it; other host tensors move to their parameter's device.
+    The masters (``master/J``) were loaded in place.
+    """
+    state = _inner(optimizer).state
+    for key, value in loaded.items():
+        if not key.startswith("optimizer/"):
+            continue
+        index, name = key.removeprefix("optimizer/").split("/", 1)
+        param = params[int(index)]
+        if isinstance(value, torch.Tensor) and name != "step" and value.device != param.device:
+            value = value.to(param.device)
+        state[param][name] = value
 
 
 def with_master_weights(optimizer: torch.optim.Optimizer, fp32_copy: Any) -> torch.optim.Optimizer:

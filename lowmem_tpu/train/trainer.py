@@ -21,19 +21,21 @@ import torch
 from transformers import TrainerCallback
 from trl import SFTConfig, SFTTrainer
 
+from lowmem_tpu import hosts
 from lowmem_tpu.config import Recipe
 from lowmem_tpu.config.schema import uses_master_weights
 from lowmem_tpu.data import collate
 from lowmem_tpu.errors import NonFiniteError
-from lowmem_tpu.files import fresh_partial
+from lowmem_tpu.files import fresh_partial, write_json
 from lowmem_tpu.model import torch_dtype
 from lowmem_tpu.model.attention import packed_inputs
 from lowmem_tpu.model.loss import add_chunked_loss
 from lowmem_tpu.model.names import ParamNames
 from lowmem_tpu.train import checkpoint as ckpt
-from lowmem_tpu.train.master import checkpoint_state, load_checkpoint_state, with_master_weights
+from lowmem_tpu.train.master import checkpoint_state, masters_of, restore_checkpoint_state, with_master_weights
 from lowmem_tpu.xla import runtime as rt
-from lowmem_tpu.xla.sharding import place_like, shard_like, wrap_model
+from lowmem_tpu.xla import sharded_state
+from lowmem_tpu.xla.sharding import place_like, wrap_model
 from lowmem_tpu.xla.transfer import to_host
 
 OPTIMIZERS = {"adamw": "adamw_torch", "adafactor": "adafactor"}
@@ -59,7 +61,7 @@ def training_args(recipe: Recipe, micro_batch: int) -> SFTConfig:
         eval_steps=t.eval_steps,
         save_strategy="steps" if t.save_steps else "no",
         save_steps=t.save_steps or 500,
-        report_to=t.reporters,
+        report_to=t.reporters if hosts.is_main() else [],  # one host reports a pod slice's run
         seed=t.seed,
         data_seed=t.seed,
         bf16=False,  # weights are already in the recipe's dtype; no autocast
@@ -88,6 +90,7 @@ def build_trainer(
     eval_dataset: Any = None,
     flops_per_token: float | None = None,
     planned_bytes: int | None = None,
+    base_reference: str | None = None,
 ) -> XlaSFTTrainer:
     """The trainer of a run (and of the memory measurement), on a model already placed on the devices."""
     return XlaSFTTrainer(
@@ -96,6 +99,7 @@ def build_trainer(
         names=ParamNames(model),
         flops_per_token=flops_per_token,
         planned_bytes=planned_bytes,
+        base_reference=base_reference,
         model=model,
         args=training_args(recipe, micro_batch),
         train_dataset=train_dataset,
@@ -116,6 +120,7 @@ class XlaSFTTrainer(SFTTrainer):
         names: Any,
         flops_per_token: float | None = None,
         planned_bytes: int | None = None,
+        base_reference: str | None = None,
         **kwargs: Any,
     ):
         self.recipe = recipe
@@ -123,6 +128,7 @@ class XlaSFTTrainer(SFTTrainer):
         self.names = names  # ParamNames: clean names of the parameters, taken before wrapping
         self.flops_per_token = flops_per_token
         self.planned_bytes = planned_bytes  # the planner's peak per device for this run
+        self.base_reference = base_reference  # where an adapter's base lives (for exported checkpoints)
         self._fsdp_model: torch.nn.Module | None = None
         self._totals: dict[str, torch.Tensor] = {}
         self.save_compiles: dict[int, int] = {}  # step -> XLA compilations its checkpoint caused
@@ -268,44 +274,82 @@ class XlaSFTTrainer(SFTTrainer):
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         raise RuntimeError("trap 5: use lowmem_tpu.publish.export to save, trainer.save_model loses the LoRA adapter")
 
-    # Checkpoints: our own format (clean names, sharded optimizer state), the Trainer's RNG and state files.
+    # Checkpoints: sharded state in DCP form (every host writes its shards), host 0 writes the rest.
     def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
         step, compiles, started = self.state.global_step, rt.compile_count(), time.perf_counter()
-        trainable = {n: p.detach() for n, p in self.names.params.items() if p.requires_grad}
-        host = to_host({"trainable": trainable, "optimizer": checkpoint_state(self.optimizer)})
-        bad = [n for n, v in host["trainable"].items() if not torch.isfinite(v).all()]
-        if bad:
-            raise NonFiniteError(f"step {step}: non-finite values in {bad[0]}; no checkpoint written")
-        partial = fresh_partial(ckpt.checkpoints_dir(self.args.output_dir) / f"step-{step}")
-        ckpt.save_trainable(host["trainable"], partial)
-        torch.save(host["optimizer"], partial / ckpt.OPTIMIZER)
-        torch.save(self.lr_scheduler.state_dict(), partial / ckpt.SCHEDULER)
-        self._save_rng_state(str(partial))
-        self.state.save_to_json(str(partial / "trainer_state.json"))
-        (partial / ckpt.RECIPE).write_text(self.recipe.to_yaml())
-        self.last_checkpoint = ckpt.finish(partial, self.recipe.train.keep_last)
+        trainable = {f"{ckpt.TRAINABLE}{n}": p.detach() for n, p in self.names.params.items() if p.requires_grad}
+        optimizer, groups = ckpt.optimizer_entries(checkpoint_state(self.optimizer))
+        fetched = sharded_state.fetch(trainable | optimizer)
+        bad = [k for k in trainable if not all(torch.isfinite(v).all() for v in sharded_state.host_values(fetched[k]))]
+        if not hosts.all_true(not bad):
+            where = bad[0].removeprefix(ckpt.TRAINABLE) if bad else "another host's shards"
+            raise NonFiniteError(f"step {step}: non-finite values in {where}; no checkpoint written")
+        partial = ckpt.checkpoints_dir(self.args.output_dir) / f"step-{step}.partial"
+        if hosts.is_main():
+            fresh_partial(partial.with_suffix(""))
+        hosts.barrier()  # the directory exists before any host writes into it
+        sharded_state.write(fetched, partial / ckpt.STATE)
+        if hosts.is_main():
+            torch.save(groups, partial / ckpt.GROUPS)
+            torch.save(self.lr_scheduler.state_dict(), partial / ckpt.SCHEDULER)
+            self._save_rng_state(str(partial))
+            self.state.save_to_json(str(partial / "trainer_state.json"))
+            (partial / ckpt.RECIPE).write_text(self.recipe.to_yaml())
+            self._save_export_files(partial / ckpt.EXPORT)
+            ckpt.finish(partial, self.recipe.train.keep_last)
+        hosts.barrier()  # every host sees the finished checkpoint
+        self.last_checkpoint = partial.with_suffix("")
         self.save_compiles[step] = rt.compile_count() - compiles
         self.save_seconds[step] = round(time.perf_counter() - started, 3)
 
+    def _save_export_files(self, directory: Path) -> None:
+        """What ``lowmem-tpu export`` needs besides the weights: the adapter's config and key map, or the model's."""
+        directory.mkdir()
+        if self.names.adapter_keys:
+            config = self.model.peft_config["default"]
+            config.base_model_name_or_path = self.base_reference or config.base_model_name_or_path
+            config.save_pretrained(str(directory))
+            write_json(directory / ckpt.ADAPTER_KEYS, self.names.adapter_keys)
+        else:
+            self.model.config.save_pretrained(directory)
+            if getattr(self.model, "generation_config", None) is not None:
+                self.model.generation_config.save_pretrained(directory)
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(str(directory))
+
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
-        strategy = self.recipe.sharding.strategy
-        with torch.no_grad():
-            for name, value in ckpt.load_trainable(Path(resume_from_checkpoint)).items():
-                param = self.names.params[name]
-                param.copy_(value.to(param.device))
-                shard_like(param, param, self.runtime, strategy)
+        trainable = {f"{ckpt.TRAINABLE}{n}": p for n, p in self.names.params.items() if p.requires_grad}
+        sharded_state.load_into(trainable, Path(resume_from_checkpoint) / ckpt.STATE)
         rt.sync()
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """The optimizer's state restored straight into tensors placed like their parameters (any device count)."""
         if checkpoint is None:
             return
         path = Path(checkpoint)
-        load_checkpoint_state(self.optimizer, torch.load(path / ckpt.OPTIMIZER, weights_only=True))
-        for group in self.optimizer.param_groups:
-            for param in group["params"]:
-                shard_like(param, param, self.runtime, self.recipe.sharding.strategy)  # master weights, if any
-                for value in self.optimizer.state.get(param, {}).values():
-                    if isinstance(value, torch.Tensor) and value.device.type == "xla" and value.shape == param.shape:
-                        shard_like(value, param, self.runtime, self.recipe.sharding.strategy)
+        self.optimizer.load_state_dict({"state": {}, "param_groups": torch.load(path / ckpt.GROUPS, weights_only=True)})
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        targets = self._optimizer_targets(ckpt.read_metadata(path), params)
+        sharded_state.load_into(targets, path / ckpt.STATE)
+        restore_checkpoint_state(self.optimizer, targets, params)
         self.lr_scheduler.load_state_dict(torch.load(path / ckpt.SCHEDULER, weights_only=True))
         rt.sync()
+
+    def _optimizer_targets(self, saved: dict[str, Any], params: list[torch.Tensor]) -> dict[str, Any]:
+        """Where each saved optimizer entry goes: a parameter-shaped tensor placed like it, else a host one."""
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        masters = masters_of(self.optimizer)
+        strategy, targets = self.recipe.sharding.strategy, {}
+        for key, meta in saved.items():
+            if key.startswith(ckpt.MASTER):
+                targets[key] = masters[int(key.removeprefix(ckpt.MASTER))]
+            elif key.startswith(ckpt.OPTIMIZER):
+                param = params[int(key.removeprefix(ckpt.OPTIMIZER).split("/")[0])]
+                if not isinstance(meta, TensorStorageMetadata):
+                    targets[key] = None  # a saved object (Adafactor's step count)
+                    continue
+                host = torch.zeros(meta.size, dtype=meta.properties.dtype)
+                shaped = tuple(meta.size) == tuple(param.shape) and param.device.type == "xla"
+                targets[key] = place_like(host, param, self.runtime, strategy) if shaped else host
+        return targets

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lowmem_tpu import hosts
 from lowmem_tpu.config import RuntimeSection
 from lowmem_tpu.config.devices import DEVICES, generation_of
 from lowmem_tpu.config.platform import platform_for
@@ -110,11 +111,48 @@ def setup_runtime(cfg: RuntimeSection) -> Runtime:
 
     provide_barrier(xm.optimization_barrier_)  # the chunked loss's blocks, one after another
     if platform == "TPU":
+        _join_hosts(xr)
         _check_target(cfg.target, kind, num_devices)
         from lowmem_tpu.xla.attention import install
 
         install()  # the Pallas kernel behind model.attn_implementation: flash
     return Runtime(platform, num_devices, device, mesh, cache_dir, kind, memory_monitor(platform))
+
+
+def _join_hosts(xr: Any) -> None:
+    """On a pod slice: this host's index and the gloo group of every host (torch_xla 2.9's ``xla://``
+    rendezvous, distributed/xla_backend.py, takes rank and world size from PJRT). One VM: nothing."""
+    count = xr.process_count()
+    if count > 1:
+        import torch_xla.distributed.xla_backend  # noqa: F401  registers the xla:// rendezvous
+
+    hosts.join(xr.process_index(), count, "xla://")
+
+
+def slice_hosts(device: str = "auto") -> int:
+    """Hosts of the TPU slice this machine belongs to, read before any TPU program starts (1 off a TPU).
+
+    torch_xla 2.9's ``_internal/tpu.py num_tpu_workers`` (TPU_WORKER_HOSTNAMES or the VM's metadata).
+    """
+    if platform_for(device) != "TPU":
+        return 1
+    try:
+        from torch_xla._internal import tpu
+
+        return max(1, tpu.num_tpu_workers())
+    except Exception:  # no metadata server: a lone VM
+        return 1
+
+
+def refuse_on_a_slice(command: str, device: str = "auto") -> None:
+    """A one-host TPU program cannot start on one host of a pod slice (it waits for the others): say so."""
+    count = slice_hosts(device)
+    if count > 1:
+        raise UserError(
+            f"{command} runs a program on this host's chips alone, which cannot start on one host of a "
+            f"{count}-host pod slice (it would wait for the other hosts); run it on a single-host TPU VM, or "
+            "compile for the slice without running: lowmem-tpu memory RECIPE --compile --device <the slice>"
+        )
 
 
 def _check_target(target: str | None, kind: str, num_devices: int) -> None:

@@ -6,15 +6,32 @@ of 168 LoRA tensors compiled 168 programs every time. Each device's shard is alr
 so here the shards are fetched as they are (``_get_local_shards``, with the index ranges from
 ``_get_local_shard_replica_and_indices``: what torch_xla 2.9's distributed checkpoint planners use,
 experimental/distributed_checkpoint/_helpers.py) and the tensor is reassembled on the host.
-Single-process SPMD only: every shard is local (one process drives every device of the VM).
+On a pod slice each host holds only its own devices' shards: the pieces are gathered over the host
+group (``lowmem_tpu.hosts``), and every copy is checked to cover its whole tensor, so a region no
+shard filled can never pass as data (``torch.empty`` would have left it uninitialised, silently).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from lowmem_tpu import hosts
+
+
+class IncompleteCopy(RuntimeError):
+    """A host copy that some region of the tensor never reached."""
+
+
+@dataclass
+class Piece:
+    """One device's shard on the host: where it sits in the whole tensor (``None``: it is the whole)."""
+
+    where: tuple[slice, ...] | None
+    data: torch.Tensor
 
 
 def to_host(tree: Any) -> Any:
@@ -46,7 +63,16 @@ def to_host(tree: Any) -> Any:
 
 
 def _assemble(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Host copies of sharded tensors, put together from their devices' shards (padding dropped)."""
+    """Host copies of sharded tensors, put together from every host's shards (padding dropped)."""
+    pieces = local_pieces(tensors)
+    if hosts.several():  # each host sees only its own devices' shards
+        everyone = hosts.gather_objects(pieces, everywhere=True)
+        pieces = [[p for host in everyone for p in host[i]] for i in range(len(tensors))]
+    return [assemble(t.shape, t.dtype, p) for t, p in zip(tensors, pieces, strict=True)]
+
+
+def local_pieces(tensors: list[torch.Tensor]) -> list[list[Piece]]:
+    """This host's shards of each sharded tensor, unpadded, one per distinct region (replicas dropped)."""
     import torch_xla
 
     if not tensors:
@@ -54,13 +80,33 @@ def _assemble(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     shards = torch_xla._XLAC._get_local_shards(tensors)
     places = torch_xla._XLAC._get_local_shard_replica_and_indices(tensors)
     out = []
-    for tensor, tensor_shards, tensor_places in zip(tensors, shards, places, strict=True):
-        whole = torch.empty(tensor.shape, dtype=tensor.dtype)
+    for tensor_shards, tensor_places in zip(shards, places, strict=True):
+        pieces: dict[Any, Piece] = {}
         for (data, _device), (_replica, indices) in zip(tensor_shards, tensor_places, strict=True):
             if indices is Ellipsis:  # replicated: any shard is the whole tensor
-                whole.copy_(data)
+                pieces = {None: Piece(None, data)}
                 break
-            unpadded = tuple(slice(0, s.stop - s.start) for s in indices)
-            whole[tuple(indices)] = data[unpadded]
-        out.append(whole)
+            key = tuple((s.start, s.stop) for s in indices)
+            if key not in pieces:
+                pieces[key] = Piece(tuple(indices), data[tuple(slice(0, s.stop - s.start) for s in indices)])
+        out.append(list(pieces.values()))
     return out
+
+
+def assemble(shape: torch.Size, dtype: torch.dtype, pieces: list[Piece]) -> torch.Tensor:
+    """The whole tensor from its pieces; ``IncompleteCopy`` unless they cover every element.
+
+    Tiles of one sharding never overlap, so the distinct pieces' sizes must add up to the tensor's.
+    """
+    whole = torch.empty(shape, dtype=dtype)
+    covered = 0
+    for piece in pieces:
+        if piece.where is None:
+            return whole.copy_(piece.data)
+        whole[piece.where] = piece.data
+        covered += piece.data.numel()
+    if covered != whole.numel():
+        raise IncompleteCopy(
+            f"a host copy of a {tuple(shape)} tensor got {covered} of its {whole.numel()} elements from its shards"
+        )
+    return whole

@@ -1,0 +1,80 @@
+"""Sharded state to and from disk in ``torch.distributed.checkpoint`` (DCP) form: each host its own shards.
+
+torch_xla 2.9's ``SPMDSavePlanner`` / ``SPMDLoadPlanner`` (experimental/distributed_checkpoint/planners.py)
+write every host's local shards into one directory (host 0 adds ``.metadata``) and load into tensors
+already placed on the devices, reading only the regions each device holds: a checkpoint saved on 4
+devices restores on 8 and back. The shards are fetched with one graph cut and no compilation
+(``transfer.local_pieces``) and handed to the planner as ``_CpuShards`` (planners.py,
+``_create_write_items_for_cpu_shards``), so the values written are the ones the caller checked.
+One host runs the same code without a process group (DCP's ``no_dist``); several use the host group.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lowmem_tpu import hosts
+from lowmem_tpu.xla.transfer import local_pieces
+
+
+def fetch(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with each XLA tensor replaced by this host's part of it: ``_CpuShards`` or a host tensor."""
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+    import torch_xla.distributed.spmd as xs
+    from torch_xla.experimental.distributed_checkpoint._helpers import _CpuShards
+
+    seed = xm.get_rng_state()
+    torch_xla.sync(wait=True)  # the step that writes the shards must have finished
+    xm.set_rng_state(seed)  # a graph cut advances the seed: put it back (see transfer.to_host)
+    on_device = {k: v.detach() for k, v in state.items() if isinstance(v, torch.Tensor) and v.device.type == "xla"}
+    sharded = [k for k, v in on_device.items() if torch_xla._XLAC._get_xla_sharding_spec(v)]
+    plain = [k for k in on_device if k not in sharded]
+    out = dict(state)
+    for key, host in zip(plain, torch_xla._XLAC._xla_get_cpu_tensors([on_device[k] for k in plain]), strict=True):
+        out[key] = host
+    for key, pieces in zip(sharded, local_pieces([on_device[k] for k in sharded]), strict=True):
+        tensor = on_device[key]
+        if len(pieces) == 1 and pieces[0].where is None:
+            out[key] = pieces[0].data
+            continue
+        shards = [xs.XLAShard(p.data, list(p.where), "", 0) for p in pieces]  # type: ignore[arg-type]
+        out[key] = _CpuShards(shards=shards, global_shape=tensor.shape)
+    return out
+
+
+def host_values(value: Any) -> list[torch.Tensor]:
+    """The host tensors a fetched value holds (the shards of ``_CpuShards``, or the tensor)."""
+    shards = getattr(value, "shards", None)
+    if shards is not None:
+        return [s.data for s in shards]
+    return [value] if isinstance(value, torch.Tensor) else []
+
+
+def write(fetched: dict[str, Any], directory: Path) -> None:
+    """Write what :func:`fetch` returned as one DCP checkpoint (collective on several hosts)."""
+    import torch.distributed.checkpoint as dcp
+    from torch_xla.experimental.distributed_checkpoint import SPMDSavePlanner
+
+    writer = dcp.FileSystemWriter(str(directory), single_file_per_rank=True)
+    with warnings.catch_warnings():  # DCP warns that one process without a group is one process
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(fetched, storage_writer=writer, planner=SPMDSavePlanner(), no_dist=not hosts.several())
+
+
+def load_into(targets: dict[str, Any], directory: Path) -> None:
+    """Fill ``targets`` in place from a DCP checkpoint: XLA tensors get only their devices' regions.
+
+    Non-tensor entries (placeholders) are replaced by the saved objects.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch_xla.experimental.distributed_checkpoint import SPMDLoadPlanner
+
+    reader = dcp.FileSystemReader(str(directory))
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(targets, storage_reader=reader, planner=SPMDLoadPlanner(), no_dist=not hosts.several())
