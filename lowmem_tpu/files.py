@@ -17,6 +17,16 @@ from lowmem_tpu.errors import UserError
 LOCK = ".lowmem-tpu.lock"
 
 
+def checkpoint_instead(directory: Path) -> UserError | None:
+    """The error for a training checkpoint given where an adapter or a model is expected (None otherwise)."""
+    if (directory / "COMPLETE").is_file() and (directory / "state").is_dir():
+        return UserError(
+            f"{directory} is a training checkpoint (sharded state); turn it into an adapter or a model first: "
+            f"lowmem-tpu export {directory} --out DIR"
+        )
+    return None
+
+
 def fresh_partial(final: Path, suffix: str = ".partial") -> Path:
     """An empty directory beside ``final`` to build it in (a leftover from a crash is removed first)."""
     partial = final.with_name(final.name + suffix)

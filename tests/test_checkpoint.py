@@ -144,7 +144,32 @@ def test_a_checkpoint_saved_on_4_devices_restores_on_8_and_back_bit_for_bit(tmp_
     assert kinds == (
         {"trainable", "optimizer", "master"} if "lora.enabled=false" in mode else {"trainable", "optimizer"}
     )
+    _exports_as_final(saved, tmp_path / "on4" / "final", tmp_path / "exported")
     on8 = _probe(saved, tmp_path / "on8", 8, *overrides)
     _same_state(saved, on8)
     back = _probe(on8, tmp_path / "back4", 4, *overrides)
     _same_state(saved, back)
+
+
+def _exports_as_final(checkpoint: Path, final: Path, out: Path) -> None:
+    """``lowmem-tpu export`` of the last checkpoint writes what final/ holds; plain transformers/PEFT load it."""
+    import torch
+    from safetensors.torch import load_file
+    from typer.testing import CliRunner
+
+    from lowmem_tpu.cli import app
+
+    done = CliRunner().invoke(app, ["export", str(checkpoint), "--out", str(out)])
+    assert done.exit_code == 0, done.output
+    weights = "adapter_model.safetensors" if (final / "adapter_config.json").exists() else "model.safetensors"
+    a, b = load_file(str(final / weights)), load_file(str(out / weights))
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    from transformers import AutoModelForCausalLM
+
+    if weights == "model.safetensors":
+        AutoModelForCausalLM.from_pretrained(out)
+    else:
+        from peft import PeftModel
+
+        config = json.loads((out / "adapter_config.json").read_text())
+        PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(config["base_model_name_or_path"]), out)

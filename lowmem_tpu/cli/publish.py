@@ -1,4 +1,4 @@
-"""Commands after training: ``merge`` an adapter into its base, ``push`` to the Hugging Face Hub."""
+"""Commands after training: ``export`` a checkpoint, ``merge`` an adapter into its base, ``push`` to the Hub."""
 
 from __future__ import annotations
 
@@ -9,6 +9,32 @@ import typer
 
 from lowmem_tpu.cli.common import app, fail
 from lowmem_tpu.errors import UserError
+
+
+@app.command()
+def export(
+    checkpoint: Annotated[
+        Path, typer.Argument(help="A training checkpoint (output_dir/checkpoints/step-N).", show_default=False)
+    ],
+    out: Annotated[
+        Path | None, typer.Option("--out", help="Where the adapter or model goes (default: CHECKPOINT-export).")
+    ] = None,
+) -> None:
+    """Turn a (sharded) training checkpoint into the adapter or model final/ would hold, for merge, generate, push."""
+    try:
+        from lowmem_tpu.publish.export import export_checkpoint
+        from lowmem_tpu.train.checkpoint import COMPLETE, EXPORT, STATE, read_trainable
+
+        if not (checkpoint / COMPLETE).is_file() or not (checkpoint / STATE / ".metadata").is_file():
+            raise UserError(
+                f"{checkpoint} is not a complete training checkpoint (no {COMPLETE} marker or {STATE}/); "
+                "give output_dir/checkpoints/step-N of a run"
+            )
+        target = out or checkpoint.with_name(checkpoint.name + "-export")
+        kind = export_checkpoint(read_trainable(checkpoint), checkpoint / EXPORT, target)
+    except UserError as err:
+        fail(err)
+    typer.echo(f"wrote the {kind} of {checkpoint} to {target}")
 
 
 @app.command()

@@ -14,6 +14,7 @@ from typing import Any
 
 from lowmem_tpu.config import ModelSection
 from lowmem_tpu.errors import UserError
+from lowmem_tpu.files import checkpoint_instead
 from lowmem_tpu.publish.merge import adapter_tokenizer, choose_base, read_adapter_config, read_recipe_data
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -46,6 +47,8 @@ def kind_of(directory: Path) -> str:
         raise UserError(f"{directory}: no such directory; give output_dir/final of a run, or a merged model")
     if (directory / ADAPTER_CONFIG).is_file():
         return "adapter"
+    if err := checkpoint_instead(directory):
+        raise err
     weights = [*directory.glob("*.safetensors"), *directory.glob("pytorch_model*.bin")]
     if (directory / "config.json").is_file() and weights:
         return "model"

@@ -50,3 +50,33 @@ def check_adapter(out: Path, expected_keys: list[str]) -> None:
     missing = sorted(set(expected_keys) - set(loaded))
     if missing or not loaded:
         raise RuntimeError(f"adapter in {out} is incomplete: missing {missing[:5]}")
+
+
+def export_checkpoint(trainable: dict[str, torch.Tensor], info: Path, out: Path) -> str:
+    """A training checkpoint's weights (clean names) written as the adapter or the model ``final/`` would hold.
+
+    ``info`` is the checkpoint's ``export/`` (the adapter's config and key map, or the model's config, and
+    the tokenizer); returns "adapter" or "model". Built beside ``out`` and renamed into place.
+    """
+    import json
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from lowmem_tpu.files import fresh_partial, publish
+
+    keys_file = info / "adapter_keys.json"
+    partial = fresh_partial(out)
+    if keys_file.is_file():
+        keys = json.loads(keys_file.read_text())
+        state = {key: trainable[name].contiguous() for key, name in keys.items()}
+        save_file(state, str(partial / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    else:
+        from huggingface_hub import save_torch_state_dict
+
+        save_torch_state_dict({k: v.contiguous() for k, v in trainable.items()}, partial, max_shard_size="2GB")
+    for path in info.iterdir():
+        if path.name != keys_file.name:
+            shutil.copy2(path, partial / path.name)
+    publish(partial, out)
+    return "adapter" if keys_file.is_file() else "model"

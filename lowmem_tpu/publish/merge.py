@@ -23,7 +23,7 @@ from typing import Any
 import yaml
 
 from lowmem_tpu.errors import UserError
-from lowmem_tpu.files import fresh_partial, publish, write_json
+from lowmem_tpu.files import checkpoint_instead, fresh_partial, publish, write_json
 from lowmem_tpu.publish.export import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from lowmem_tpu.publish.verify import TOLERANCE, compare, logits, prompt_ids
 
@@ -58,6 +58,8 @@ def read_adapter_config(adapter_dir: Path) -> dict[str, Any]:
     if not adapter_dir.is_dir():
         raise UserError(f"{adapter_dir}: no such directory; give output_dir/final of a LoRA run")
     missing = [name for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS) if not (adapter_dir / name).is_file()]
+    if missing and (err := checkpoint_instead(adapter_dir)):
+        raise err
     if missing and (adapter_dir / "config.json").is_file() and not (adapter_dir / ADAPTER_CONFIG).exists():
         raise UserError(
             f"{adapter_dir} holds a full model, not a LoRA adapter: there is nothing to merge "

@@ -316,6 +316,7 @@ class XlaSFTTrainer(SFTTrainer):
                 self.model.generation_config.save_pretrained(directory)
         if self.processing_class is not None:
             self.processing_class.save_pretrained(str(directory))
+        (directory / ckpt.RECIPE).write_text(self.recipe.to_yaml())  # how generate formats prompts
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         trainable = {f"{ckpt.TRAINABLE}{n}": p for n, p in self.names.params.items() if p.requires_grad}
