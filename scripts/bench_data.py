@@ -6,7 +6,8 @@ Writes a synthetic Alpaca file of ``--records`` records (alpaca-cleaned has 51,7
 to look like it: instructions of ~15 words, an input on 40% of them, outputs of ~50-250 words),
 builds the Open-Llama-shaped tokenizer (tests/open_llama_like.py: sentencepiece ``tokenizer.model``,
 loaded slow unless ``--fast``), then runs ``data.build_dataset`` twice with a cache directory.
-Prints seconds for each pass and writes ``outputs/bench_data/bench_data.json``.
+Prints seconds for each pass, the cache's size and the peak RSS (what each host of a pod slice holds:
+every host builds the same rows), and writes ``outputs/bench_data/bench_data.json``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import argparse
 import json
 import random
 import re
+import resource
 import sys
 import time
 from pathlib import Path
@@ -85,7 +87,10 @@ def main() -> None:
         "seconds": timings,
         "stats": stats,
         "cache_bytes": sum(p.stat().st_size for p in cache.rglob("*") if p.is_file()),
+        # What each host of a pod slice holds: every host builds (or reads) the same rows.
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     }
+    print(f"cache {result['cache_bytes'] / 2**30:.2f} GiB, peak RSS {result['peak_rss_bytes'] / 2**30:.2f} GiB")
     (OUT / "bench_data.json").write_text(json.dumps(result, indent=2) + "\n")
 
 

@@ -9,6 +9,7 @@ import typer
 
 from lowmem_tpu.cli.common import OverridesArg, RecipeArg, app, fail, load_args
 from lowmem_tpu.config import Recipe
+from lowmem_tpu.config.devices import DEVICES
 from lowmem_tpu.errors import NonFiniteError, UserError
 
 
@@ -76,7 +77,7 @@ def memory(
         str | None,
         typer.Option(
             "--device",
-            help="v5e-1, v5e-4, v5e-8, v6e-1, v6e-4, v6e-8, v5e-16, v5e-32, v6e-16, v4-8, v5p-8, v3-8, v2-8 "
+            help=f"{', '.join(DEVICES)} "
             "or cpu (default: the recipe's runtime.target, else the TPU here, else cpu).",
             show_default=False,
         ),

@@ -103,7 +103,11 @@ DEVICES = {
         _vm("v6e-8", "v6e", 8, chips="2x4"),
         _vm("v5e-16", "v5e", 16, " (a pod slice: 2 hosts of 8)", chips="4x4", host="2x4"),
         _vm("v5e-32", "v5e", 32, " (a pod slice: 4 hosts of 8)", chips="4x8", host="2x4"),
+        _vm("v5e-64", "v5e", 64, " (a pod slice: 8 hosts of 8)", chips="8x8", host="2x4"),
         _vm("v6e-16", "v6e", 16, " (a pod slice: 2 hosts of 8)", chips="4x4", host="2x4"),
+        _vm("v6e-32", "v6e", 32, " (a pod slice: 4 hosts of 8)", chips="4x8", host="2x4"),
+        _vm("v6e-64", "v6e", 64, " (a pod slice: 8 hosts of 8)", chips="8x8", host="2x4"),
+        _vm("v4-32", "v4", 16, " (a pod slice: 4 hosts of 4)", chips="2x2x4", host="2x2x1"),
         _vm("v4-8", "v4", 4),  # libtpu's compile-only v4:2x2x1 shows 8 devices (one per core), a v4-8 runs 4
         _vm("v5p-8", "v5p", 4, chips="2x2x1"),
         _vm("v3-8", "v3", 8, " (legacy: Kaggle's TPU until 2025)", legacy=True),
