@@ -15,6 +15,8 @@ from typing import Any
 from lowmem_tpu.errors import UserError
 
 LOCK = ".lowmem-tpu.lock"
+MANIFEST = "MANIFEST.json"
+HASHED_UP_TO = 64 * 2**20  # files up to this size are hashed; bigger ones (weight shards) are checked by size
 
 
 def checkpoint_instead(directory: Path) -> UserError | None:
@@ -76,3 +78,61 @@ def holding(directory: Path, field: str) -> Iterator[None]:
             handle.seek(0)
             handle.truncate()
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def write_manifest(directory: Path, skip: tuple[str, ...] = ()) -> None:
+    """Record every file under ``directory`` (its size, and its SHA-256 up to 64 MiB) in ``MANIFEST.json``.
+
+    Written last, after everything it lists: a directory whose files still match it is whole. Files
+    over 64 MiB (a full model's shards) are checked by size, which finds a truncated or missing file;
+    hashing gigabytes at every save would cost more than the save.
+    """
+    entries = {}
+    for path in sorted(p for p in directory.rglob("*") if p.is_file() and p.name not in (MANIFEST, *skip)):
+        size = path.stat().st_size
+        entries[path.relative_to(directory).as_posix()] = {"bytes": size, "sha256": _sha256(path, size)}
+    write_json(directory / MANIFEST, {"files": entries})
+
+
+def damage(directory: Path, suffix: str = "") -> str | None:
+    """What differs between ``directory`` and its manifest, for the files named ``*suffix`` (None: whole)."""
+    manifest = directory / MANIFEST
+    try:
+        entries = json.loads(manifest.read_text())["files"]
+    except (OSError, ValueError, KeyError):
+        return f"{manifest} is missing or unreadable"
+    for name, entry in entries.items():
+        if not name.endswith(suffix):
+            continue
+        path = directory / name
+        if not path.is_file():
+            return f"{name} is missing"
+        size = path.stat().st_size
+        if size != entry["bytes"]:
+            return f"{name} has {size:,} bytes, {entry['bytes']:,} were written"
+        if entry.get("sha256") and _sha256(path, size) != entry["sha256"]:
+            return f"{name} does not hold what was written (its SHA-256 differs)"
+    return None
+
+
+def check_whole(directory: Path) -> None:
+    """A UserError naming the damage when the weights in ``directory`` no longer match its manifest.
+
+    Only the weights (``*.safetensors``): configs and tokenizer files are the user's to edit (a moved
+    adapter's base path, a chat template)."""
+    if not (directory / MANIFEST).is_file():
+        return  # written elsewhere (a merged model, an older run): nothing to check against
+    problem = damage(directory, ".safetensors")
+    if problem:
+        raise UserError(
+            f"{directory} is damaged: {problem}; it is not what the run wrote (copy it again, or use a checkpoint: "
+            "lowmem-tpu export output_dir/checkpoints/step-N --out DIR)"
+        )
+
+
+def _sha256(path: Path, size: int) -> str | None:
+    if size > HASHED_UP_TO:
+        return None
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()

@@ -28,6 +28,7 @@ from lowmem_tpu.errors import UserError
 class Host:
     index: int = 0
     count: int = 1
+    grouped: bool = False  # in the host group (after ``leave`` a host keeps its index, the group is gone)
 
     @property
     def main(self) -> bool:
@@ -48,19 +49,21 @@ def join(index: int, count: int, init_method: str | None = None) -> Host:
 
         if not dist.is_initialized():
             dist.init_process_group("gloo", init_method=init_method, rank=index, world_size=count)
-    _HOST = Host(index, count)
+    _HOST = Host(index, count, grouped=count > 1)
     return _HOST
 
 
 def leave() -> None:
-    """End the host group once every host is done (a gloo group left open aborts the process at exit)."""
+    """End the host group once every host is done (a gloo group left open aborts the process at exit).
+
+    The host keeps its index: host 0 still reports; collectives become local no-ops."""
     global _HOST
     if several():
         import torch.distributed as dist
 
         dist.barrier()
         dist.destroy_process_group()
-    _HOST = Host()
+        _HOST = Host(_HOST.index, _HOST.count, grouped=False)
 
 
 def current() -> Host:
@@ -73,7 +76,8 @@ def is_main() -> bool:
 
 
 def several() -> bool:
-    return _HOST.count > 1
+    """True while this process is one of several hosts in the host group."""
+    return _HOST.grouped
 
 
 def barrier() -> None:

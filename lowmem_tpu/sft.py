@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lowmem_tpu import hosts
 from lowmem_tpu.config import Recipe, micro_batch_size
 from lowmem_tpu.errors import UserError
 
@@ -62,14 +63,15 @@ class Job:
 
 def find_resume(recipe: Recipe, out: Path, force: bool) -> Path | None:
     """The checkpoint this run continues from, after cleaning up half-written ones."""
-    from lowmem_tpu import hosts
     from lowmem_tpu.console import say
     from lowmem_tpu.train import checkpoint as ckpt
 
     for stale in ckpt.remove_incomplete(out) if hosts.is_main() else []:
         say(f"removed an incomplete checkpoint: {stale}")
     hosts.barrier()
-    resume = ckpt.resolve_resume(recipe.train.resume, out)
+    resume, warnings = ckpt.resolve_resume(recipe.train.resume, out)
+    for warning in warnings:
+        say(warning)
     if resume is None:
         return None
     changes = ckpt.recipe_changes(resume, recipe.model_dump(mode="json"))
@@ -93,7 +95,6 @@ def run_sft(recipe: Recipe, overwrite: bool = False, force_resume: bool = False)
     """
     import contextlib
 
-    from lowmem_tpu import hosts
     from lowmem_tpu.files import holding
     from lowmem_tpu.xla.runtime import configure_environment, setup_runtime
 
@@ -112,8 +113,6 @@ def run_sft(recipe: Recipe, overwrite: bool = False, force_resume: bool = False)
 
 
 def _run_sft(recipe: Recipe, runtime: Any, overwrite: bool, force_resume: bool, started: float) -> SftRun:
-    from lowmem_tpu import hosts
-
     out = prepare_output(recipe, overwrite)
     hosts.check_shared(out)
     from lowmem_tpu.train.metrics import check_reporters
@@ -136,6 +135,7 @@ def _run_sft(recipe: Recipe, runtime: Any, overwrite: bool, force_resume: bool, 
     micro = micro_batch_size(recipe, runtime.num_devices)
     say(f"runtime: {runtime.describe()}, micro-batch {micro}")
     job = _build(recipe, runtime, tokenizer, train_ds, eval_ds, micro, out)
+    _check_room(recipe, job, out)
 
     # At resume the checkpoint is loaded inside trainer.train(): an evaluation now would score the
     # untrained model as if it were the resumed one, so there is none.
@@ -164,8 +164,8 @@ def _run_sft(recipe: Recipe, runtime: Any, overwrite: bool, force_resume: bool, 
             f"{runtime.platform} backend, so everything was compiled again (on a TPU it is reused)"
         )
     final = _save(recipe, job, tokenizer, out, metrics)
+    hosts.leave()  # the hosts' work together ends with final/; host 0 alone reports and pushes
     metrics["time"]["total_seconds"] = round(time.perf_counter() - started, 1)
-    from lowmem_tpu import hosts
     from lowmem_tpu.files import write_json
 
     if not hosts.is_main():
@@ -195,17 +195,13 @@ def _tokenizer(recipe: Recipe) -> Any:
 
 def _data(recipe: Recipe, tokenizer: Any, out: Path) -> tuple[Any, dict[str, Any], Any, Any]:
     """Training rows, held-out rows and exact-match prompts (tokenized once, then read from the cache)."""
-    from lowmem_tpu import data, hosts
+    from lowmem_tpu import data
     from lowmem_tpu.console import say
 
     cache_dir = out / "data_cache"
     # Every host builds the same global batches (XLA keeps each host's rows): host 0 tokenizes and
     # writes the cache, the others then read it.
-    if not hosts.is_main():
-        hosts.barrier()
-    train_ds, stats = data.build_dataset(recipe.data, tokenizer, cache_dir=cache_dir)
-    if hosts.is_main():
-        hosts.barrier()
+    train_ds, stats = _host_0_first(lambda: data.build_dataset(recipe.data, tokenizer, cache_dir=cache_dir))
     differs = hosts.disagreement("the training rows", stats["rows_sha256"])
     if differs:
         raise UserError(f"data: {differs}; every host must read the same files (a shared disk, or the same copy)")
@@ -217,11 +213,41 @@ def _data(recipe: Recipe, tokenizer: Any, out: Path) -> tuple[Any, dict[str, Any
     )
     eval_ds = prompts = None
     if recipe.data.eval_path or recipe.data.eval_fraction:
-        eval_ds, held = data.build_dataset(recipe.data, tokenizer, role="eval", cache_dir=cache_dir)
+        eval_ds, held = _host_0_first(
+            lambda: data.build_dataset(recipe.data, tokenizer, role="eval", cache_dir=cache_dir)
+        )
         say(f"held-out data: {held['samples']:,} samples -> {held['rows']:,} rows")
         if recipe.train.eval_samples:
             prompts = data.exact_match_prompts(recipe.data, tokenizer, None, recipe.train.eval_samples)
     return train_ds, stats, eval_ds, prompts
+
+
+def _check_room(recipe: Recipe, job: Job, out: Path) -> None:
+    """Before training: room on the output disk for the checkpoints that will coexist and for ``final/``."""
+    from lowmem_tpu.config.schema import uses_master_weights
+    from lowmem_tpu.console import size
+    from lowmem_tpu.train import checkpoint as ckpt
+
+    t = recipe.train
+    one, final = ckpt.state_bytes(job.model, t.optimizer, uses_master_weights(recipe), recipe.lora.enabled)
+    saves = max(0, t.keep_last + 1 - len(ckpt.complete_checkpoints(out))) if t.save_steps else 0
+    what = f"this run ({saves} more checkpoint(s) of {size(one)} and final/ of {size(final)})"
+    if hosts.is_main():
+        ckpt.check_room(out, saves * one + final, what)
+
+
+def _host_0_first(build: Any) -> Any:
+    """``build()`` on host 0, then on the other hosts (which then find what host 0 cached).
+
+    Host 0 lets the others go on even when it fails: they fail the same way rather than wait for it.
+    """
+    if hosts.is_main():
+        try:
+            return build()
+        finally:
+            hosts.barrier()
+    hosts.barrier()
+    return build()
 
 
 def _train(job: Job, resume: Path | None) -> Any:
@@ -267,8 +293,6 @@ def _build(recipe: Recipe, runtime, tokenizer, train_ds, eval_ds, micro: int, ou
     guard = GuardCallback(wall, t.loss_spike_factor, say, skip_nonfinite=t.on_nonfinite == "skip")
     flops = m.flops_per_token(model.config, total, trainable, recipe.data.max_length, recipe.lora.enabled)
     plan = run_plan(recipe, model.config, runtime.platform, runtime.kind, runtime.num_devices)
-    from lowmem_tpu import hosts
-
     shown = [JsonlLog(recipe.output_dir, runtime), ProgressCallback()] if hosts.is_main() else []
     callbacks = [metrics, guard, *shown]
     trainer = build_trainer(
@@ -295,8 +319,6 @@ def _base_reference(recipe: Recipe, model, tokenizer, out: Path) -> str:
     if not recipe.model.random_init:
         source = resolve_source(recipe.model.name_or_path)
         return str(Path(source).expanduser().resolve()) if Path(source).expanduser().exists() else source
-    from lowmem_tpu import hosts
-
     base = out / "base"
     if recipe.lora.enabled and hosts.is_main():  # the model is still on the host here, whole on every host
         model.save_pretrained(base)
@@ -335,9 +357,8 @@ def _evaluate(job: Job, prompts, label: str) -> dict[str, Any]:
 
 def _save(recipe: Recipe, job: Job, tokenizer, out: Path, metrics: dict[str, Any]) -> Path:
     """Write ``final/`` on host 0; the weights' host copies are gathered on every host (a collective)."""
-    from lowmem_tpu import hosts
     from lowmem_tpu.console import say
-    from lowmem_tpu.files import fresh_partial, publish
+    from lowmem_tpu.files import fresh_partial, publish, write_manifest
     from lowmem_tpu.publish.export import check_adapter, save_adapter, save_full_model
 
     final = out / "final"
@@ -354,6 +375,7 @@ def _save(recipe: Recipe, job: Job, tokenizer, out: Path, metrics: dict[str, Any
         tokenizer.save_pretrained(partial)
         tokenizer.padding_side = tokenizer.init_kwargs["padding_side"] = "right"
         (partial / "recipe.yaml").write_text(recipe.to_yaml())
+        write_manifest(partial)
         publish(partial, final)
     hosts.barrier()
     say(f"saved {'adapter' if recipe.lora.enabled else 'model'} to {final}")

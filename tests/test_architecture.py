@@ -124,3 +124,14 @@ def test_every_folder_says_what_it_owns():
     for init in PACKAGE.glob("*/__init__.py"):
         doc = ast.get_docstring(ast.parse(init.read_text()))
         assert doc and len(doc) > 80, f"{init.parent.name}/__init__.py needs a docstring on what it owns"
+
+
+def test_only_the_hosts_module_knows_which_host_this_is():
+    """Under SPMD, HF Trainer and accelerate say "process 0 of 1" on every host of a pod slice: never ask them."""
+    asks = ("process_index", "is_world_process_zero", "is_local_process_zero", "world_size", "global_ordinal")
+    offenders = {
+        name
+        for name, path in modules().items()
+        if name not in ("lowmem_tpu.hosts", "lowmem_tpu.xla.runtime") and any(a in path.read_text() for a in asks)
+    }
+    assert offenders == set()

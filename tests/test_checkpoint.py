@@ -39,6 +39,27 @@ def test_saves_between_logs_complete_and_compile_nothing_after_the_first(saving_
     assert compiles["after_warmup"] == 0, compiles
 
 
+def test_final_records_its_files_and_a_changed_adapter_is_refused_by_what_loads_it(saving_run, tmp_path):
+    import shutil
+
+    from lowmem_tpu.errors import UserError
+    from lowmem_tpu.infer.load import kind_of
+
+    _, run = saving_run
+    manifest = json.loads((run.final_dir / "MANIFEST.json").read_text())["files"]
+    assert manifest["adapter_model.safetensors"]["sha256"] and "tokenizer.json" in manifest
+    copy = shutil.copytree(run.final_dir, tmp_path / "copy")
+    assert kind_of(copy) == "adapter"
+    weights = bytearray((copy / "adapter_model.safetensors").read_bytes())
+    weights[-1] ^= 0xFF  # one flipped byte, same size
+    (copy / "adapter_model.safetensors").write_bytes(bytes(weights))
+    with pytest.raises(UserError, match=r"is damaged: adapter_model\.safetensors does not hold what was written"):
+        kind_of(copy)
+    (copy / "tokenizer_config.json").write_text((copy / "tokenizer_config.json").read_text() + " ")
+    (copy / "adapter_model.safetensors").write_bytes((run.final_dir / "adapter_model.safetensors").read_bytes())
+    assert kind_of(copy) == "adapter"  # configs and tokenizer files are the user's to edit
+
+
 def test_every_log_is_a_json_line_as_it_happens(saving_run):
     recipe, run = saving_run
     lines = [json.loads(line) for line in (Path(recipe.output_dir) / "metrics.jsonl").read_text().splitlines()]

@@ -221,6 +221,9 @@ def test_refuses_what_does_not_load_or_a_public_repo_for_private(run, hub, tmp_p
         push(moved, "alice/broken", create=True)
     broken = shutil.copytree(merged, tmp_path / "broken")
     (broken / "model.safetensors").write_bytes(b"not safetensors")
+    with refused("is damaged: model.safetensors has 15 bytes"):  # checked against final's manifest
+        push(broken, "alice/broken", create=True)
+    (broken / "MANIFEST.json").unlink()  # a model from elsewhere: nothing to check against, so loaded
     with refused("cannot load the model"):
         push(broken, "alice/broken", create=True)
     assert len(hub.repos["alice/broken"].branches["main"]) == 1

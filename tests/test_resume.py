@@ -121,6 +121,86 @@ def test_resume_with_a_changed_recipe_is_refused_with_a_diff(tmp_path):
     assert "Traceback" not in changed.stderr
 
 
+def _truncate(checkpoint: Path) -> None:
+    shard = checkpoint / "state" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:100])  # a preempted copy, a disk that filled earlier
+
+
+def test_a_damaged_checkpoint_is_passed_over_for_the_one_before_and_none_left_exits_2(tmp_path):
+    out = tmp_path / "run"
+    args = ("train.max_steps=4", "train.eval_samples=0")
+    first = subprocess.run(_cmd(out, *args), capture_output=True, text=True, env=_env(), timeout=600)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert (out / "checkpoints" / "step-4" / "MANIFEST.json").is_file()
+    (out / "final").rename(out / "final-1")
+    _truncate(out / "checkpoints" / "step-4")
+
+    resumed = subprocess.run(_cmd(out, *args), capture_output=True, text=True, env=_env(), timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"warning: {out / 'checkpoints' / 'step-4'} is damaged (state/__0_0.distcp has 100 bytes" in resumed.stdout
+    assert f"resuming from {out / 'checkpoints' / 'step-2'}" in resumed.stdout
+
+    (out / "final").rename(out / "final-2")
+    for step in ("step-2", "step-4"):
+        _truncate(out / "checkpoints" / step)
+    refused = subprocess.run(_cmd(out, *args), capture_output=True, text=True, env=_env(), timeout=600)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert "no whole checkpoint is left" in refused.stderr and "train.resume=never" in refused.stderr
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-2", "step-4"]  # nothing deleted
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A filesystem of a few MiB (tmpfs; needs root, as this machine and CI have): mount(size_mib) -> its path."""
+    mounted = []
+
+    def mount(size_mib: int) -> Path:
+        where = tmp_path / f"disk-{len(mounted)}"
+        where.mkdir()
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size_mib}m", "tmpfs", str(where)], capture_output=True
+        )
+        if done.returncode:
+            pytest.skip(f"cannot mount a small filesystem here: {done.stderr.decode().strip()}")
+        mounted.append(where)
+        return where
+
+    yield mount
+    for where in mounted:
+        subprocess.run(["umount", str(where)], capture_output=True)
+
+
+def test_a_disk_too_small_for_the_run_is_refused_before_training(small_disk):
+    out = small_disk(3) / "run"
+    proc = subprocess.run(_cmd(out), capture_output=True, text=True, env=_env(), timeout=600)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "this run (3 more checkpoint(s) of" in proc.stderr and "which has" in proc.stderr
+    assert "lower train.keep_last" in proc.stderr and "training 8 steps" not in proc.stdout
+
+
+def test_a_disk_that_fills_during_the_run_stops_it_at_the_save_with_the_last_checkpoint_whole(small_disk):
+    import shutil
+
+    from lowmem_tpu.files import damage
+
+    disk = small_disk(12)
+    out = disk / "run"
+    proc = subprocess.Popen(_cmd(out), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    for line in proc.stdout:
+        if line.startswith("step 3/8"):  # step-2 is saved; fill the disk before the save at step 4
+            (disk / "filler").write_bytes(b"\0" * (shutil.disk_usage(disk).free - 2**19))
+            break
+    stderr = proc.stderr.read()
+    assert proc.wait(timeout=300) == 2, stderr[-3000:]
+    assert "Traceback" not in stderr and "checkpoint step-4 needs" in stderr, stderr[-2000:]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-2"]
+    assert damage(out / "checkpoints" / "step-2") is None
+    (disk / "filler").unlink()
+    resumed = subprocess.run(_cmd(out), capture_output=True, text=True, env=_env(), timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resuming from {out / 'checkpoints' / 'step-2'}" in resumed.stdout
+
+
 def test_max_wall_time_saves_and_stops_cleanly(tmp_path):
     out = tmp_path / "run"
     proc = subprocess.run(_cmd(out, "train.max_wall_time=5s"), capture_output=True, text=True, env=_env(), timeout=600)

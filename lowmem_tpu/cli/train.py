@@ -77,8 +77,7 @@ def memory(
         str | None,
         typer.Option(
             "--device",
-            help=f"{', '.join(DEVICES)} "
-            "or cpu (default: the recipe's runtime.target, else the TPU here, else cpu).",
+            help=f"{', '.join(DEVICES)} or cpu (default: the recipe's runtime.target, else the TPU here, else cpu).",
             show_default=False,
         ),
     ] = None,

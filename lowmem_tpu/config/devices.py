@@ -76,7 +76,7 @@ class Device:
     @property
     def hosts(self) -> int:
         """TPU VMs (hosts) the slice spans: one for a single VM."""
-        return max(1, self.devices // math.prod(self.host_bounds)) if self.topology else 1
+        return max(1, self.devices // math.prod(self.host_bounds))
 
 
 def _vm(
@@ -86,7 +86,7 @@ def _vm(
     g = GENERATIONS[generation]
     unit = "cores" if g.devices_per_chip > 1 else ("chip" if devices == 1 else "chips")
     about = f"TPU {name}: {devices} {unit} x {g.hbm_bytes // GiB} GiB{where}"
-    dims = [int(d) for d in (host or chips).split("x")] if chips else []
+    dims = [int(d) for d in (host or chips).split("x")] if (host or chips) else [devices]
     bounds = (*dims, *[1] * (3 - len(dims)))
     topology = f"{generation}:{chips}" if chips else None
     return Device(name, devices, g.usable_bytes, about, generation, legacy, topology, bounds)  # type: ignore[arg-type]
@@ -107,7 +107,8 @@ DEVICES = {
         _vm("v6e-16", "v6e", 16, " (a pod slice: 2 hosts of 8)", chips="4x4", host="2x4"),
         _vm("v6e-32", "v6e", 32, " (a pod slice: 4 hosts of 8)", chips="4x8", host="2x4"),
         _vm("v6e-64", "v6e", 64, " (a pod slice: 8 hosts of 8)", chips="8x8", host="2x4"),
-        _vm("v4-32", "v4", 16, " (a pod slice: 4 hosts of 4)", chips="2x2x4", host="2x2x1"),
+        # libtpu's compile-only v4 topologies count TensorCores (v4:2x2x4 shows 32 devices): none given.
+        _vm("v4-32", "v4", 16, " (a pod slice: 4 hosts of 4)", host="2x2x1"),
         _vm("v4-8", "v4", 4),  # libtpu's compile-only v4:2x2x1 shows 8 devices (one per core), a v4-8 runs 4
         _vm("v5p-8", "v5p", 4, chips="2x2x1"),
         _vm("v3-8", "v3", 8, " (legacy: Kaggle's TPU until 2025)", legacy=True),

@@ -14,7 +14,7 @@ from typing import Any
 
 from lowmem_tpu.config import ModelSection
 from lowmem_tpu.errors import UserError
-from lowmem_tpu.files import checkpoint_instead
+from lowmem_tpu.files import check_whole, checkpoint_instead
 from lowmem_tpu.publish.merge import adapter_tokenizer, choose_base, read_adapter_config, read_recipe_data
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -45,6 +45,7 @@ def kind_of(directory: Path) -> str:
     """``adapter`` or ``model``; a UserError naming what is missing otherwise."""
     if not directory.is_dir():
         raise UserError(f"{directory}: no such directory; give output_dir/final of a run, or a merged model")
+    check_whole(directory)
     if (directory / ADAPTER_CONFIG).is_file():
         return "adapter"
     if err := checkpoint_instead(directory):

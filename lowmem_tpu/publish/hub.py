@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from lowmem_tpu.errors import UserError
+from lowmem_tpu.files import check_whole
 from lowmem_tpu.publish.card import model_card
 from lowmem_tpu.publish.export import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
@@ -50,6 +51,7 @@ def directory_kind(directory: Path) -> str:
     """``adapter`` (a LoRA adapter) or ``model`` (a merged or fully fine-tuned model)."""
     if not directory.is_dir():
         raise UserError(f"{directory}: no such directory; give output_dir/final or a merged model directory")
+    check_whole(directory)
     if (directory / ADAPTER_CONFIG).is_file() or (directory / ADAPTER_WEIGHTS).is_file():
         from lowmem_tpu.publish.merge import read_adapter_config
 

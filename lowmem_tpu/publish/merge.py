@@ -23,7 +23,7 @@ from typing import Any
 import yaml
 
 from lowmem_tpu.errors import UserError
-from lowmem_tpu.files import checkpoint_instead, fresh_partial, publish, write_json
+from lowmem_tpu.files import check_whole, checkpoint_instead, fresh_partial, publish, write_json, write_manifest
 from lowmem_tpu.publish.export import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from lowmem_tpu.publish.verify import TOLERANCE, compare, logits, prompt_ids
 
@@ -60,6 +60,7 @@ def read_adapter_config(adapter_dir: Path) -> dict[str, Any]:
     missing = [name for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS) if not (adapter_dir / name).is_file()]
     if missing and (err := checkpoint_instead(adapter_dir)):
         raise err
+    check_whole(adapter_dir)
     if missing and (adapter_dir / "config.json").is_file() and not (adapter_dir / ADAPTER_CONFIG).exists():
         raise UserError(
             f"{adapter_dir} holds a full model, not a LoRA adapter: there is nothing to merge "
@@ -292,6 +293,7 @@ def merge_adapter(
         files = {p.name: p.stat().st_size for p in sorted(partial.iterdir())}
         write_json(partial / MERGE_REPORT, _report(adapter_dir, config, choice, dtype, files, check, started))
         files[MERGE_REPORT] = (partial / MERGE_REPORT).stat().st_size
+        write_manifest(partial)
         publish(partial, out)
     finally:
         if partial.exists():

@@ -23,7 +23,7 @@ import torch
 import yaml
 
 from lowmem_tpu.errors import UserError
-from lowmem_tpu.files import publish
+from lowmem_tpu.files import damage, publish, write_manifest
 
 COMPLETE = "COMPLETE"
 STATE = "state"
@@ -61,25 +61,44 @@ def remove_incomplete(output_dir: str | Path) -> list[Path]:
     return stale
 
 
-def resolve_resume(setting: str, output_dir: str | Path) -> Path | None:
-    """The checkpoint to resume from: ``auto`` (latest complete, if any), ``never``, or a path."""
+def resolve_resume(setting: str, output_dir: str | Path) -> tuple[Path | None, list[str]]:
+    """The checkpoint to resume from (``auto``: the latest whole one; ``never``; or a path), and warnings.
+
+    Every file is checked against the checkpoint's manifest first. With ``auto`` a damaged checkpoint
+    (a truncated copy, a disk that filled) is passed over for the one before it, with a warning naming
+    it; a damaged one named by path, or none whole left, is a UserError saying what to do.
+    """
     if setting == "never":
-        return None
-    if setting == "auto":
-        found = complete_checkpoints(output_dir)
-        if not found:
-            return None
-        path = found[-1]
-    else:
+        return None, []
+    if setting != "auto":
         path = Path(setting).expanduser()
         if not (path / COMPLETE).exists():
             raise UserError(f"train.resume: {path} is not a complete checkpoint (no {COMPLETE} marker)")
-    if not (path / STATE / ".metadata").is_file():
+        problem = _problem(path)
+        if problem:
+            raise UserError(f"train.resume: {path} is damaged ({problem}); name another checkpoint, or auto")
+        return path, []
+    warnings_, found = [], complete_checkpoints(output_dir)
+    for path in reversed(found):
+        problem = _problem(path)
+        if problem is None:
+            return path, warnings_
+        warnings_.append(f"warning: {path} is damaged ({problem}); not resuming from it")
+    if found:
         raise UserError(
-            f"train.resume: {path} was written by an earlier lowmem-tpu (one host's safetensors, not sharded "
-            "state/); resume it with that version, or start over with train.resume=never"
+            [
+                *(w.removeprefix("warning: ") for w in warnings_),
+                f"train.resume: no whole checkpoint is left in {checkpoints_dir(output_dir)}; start over with "
+                "train.resume=never (the damaged ones stay where they are)",
+            ]
         )
-    return path
+    return None, []
+
+
+def _problem(path: Path) -> str | None:
+    if not (path / STATE / ".metadata").is_file() and (path / "trainable.safetensors").is_file():
+        return "written by an earlier lowmem-tpu, as one host's safetensors: resume it with that version"
+    return damage(path)
 
 
 def recipe_changes(checkpoint: Path, recipe_data: dict[str, Any]) -> list[str]:
@@ -140,10 +159,40 @@ def read_trainable(directory: Path) -> dict[str, torch.Tensor]:
 
 
 def finish(partial: Path, keep_last: int) -> Path:
-    """Mark a written checkpoint complete, publish it, then prune the oldest complete ones."""
+    """Record a written checkpoint's files, mark it complete, publish it, then prune the oldest complete ones."""
+    write_manifest(partial)
     (partial / COMPLETE).write_text("ok\n")
     final = partial.with_name(partial.name.removesuffix(".partial"))
     publish(partial, final)
     for old in complete_checkpoints(final.parent.parent)[:-keep_last]:
         shutil.rmtree(old)
     return final
+
+
+def state_bytes(model: Any, optimizer: str, master_weights: bool, lora: bool) -> tuple[int, int]:
+    """Bytes of one checkpoint (trainable weights + optimizer state + masters) and of ``final/``'s weights.
+
+    AdamW keeps two fp32 moments per trainable parameter; Adafactor's factored moments are a few
+    vectors per matrix (counted as nothing); masters are one fp32 copy.
+    """
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    count = sum(p.numel() for p in trainable)
+    weights = sum(p.numel() * p.element_size() for p in trainable)
+    extra = count * ((8 if optimizer == "adamw" else 0) + (4 if master_weights else 0))
+    every = sum(p.numel() * p.element_size() for p in model.parameters())
+    return weights + extra, weights if lora else every
+
+
+def check_room(directory: Path, needed: int, what: str) -> None:
+    """A UserError before writing ``what`` when the disk under ``directory`` has less than ``needed`` free."""
+    from lowmem_tpu.console import size
+
+    probe = directory
+    while not probe.exists():
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    if needed > free:
+        raise UserError(
+            f"{what} needs {size(needed)} on the disk of {directory}, which has {size(free)} free: free space "
+            "there, choose another output_dir, or lower train.keep_last (nothing written so far is lost)"
+        )

@@ -13,6 +13,8 @@ per-step ``.item()`` calls would cut every step's graph in two and sync the host
 
 from __future__ import annotations
 
+import errno
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -25,7 +27,7 @@ from lowmem_tpu import hosts
 from lowmem_tpu.config import Recipe
 from lowmem_tpu.config.schema import uses_master_weights
 from lowmem_tpu.data import collate
-from lowmem_tpu.errors import NonFiniteError
+from lowmem_tpu.errors import NonFiniteError, UserError
 from lowmem_tpu.files import fresh_partial, write_json
 from lowmem_tpu.model import torch_dtype
 from lowmem_tpu.model.attention import packed_inputs
@@ -285,10 +287,22 @@ class XlaSFTTrainer(SFTTrainer):
             where = bad[0].removeprefix(ckpt.TRAINABLE) if bad else "another host's shards"
             raise NonFiniteError(f"step {step}: non-finite values in {where}; no checkpoint written")
         partial = ckpt.checkpoints_dir(self.args.output_dir) / f"step-{step}.partial"
+        need = sum(t.numel() * t.element_size() for v in fetched.values() for t in sharded_state.host_values(v))
+        ckpt.check_room(partial.parent, need + 2**20, f"checkpoint step-{step}")
         if hosts.is_main():
             fresh_partial(partial.with_suffix(""))
         hosts.barrier()  # the directory exists before any host writes into it
-        sharded_state.write(fetched, partial / ckpt.STATE)
+        try:
+            sharded_state.write(fetched, partial / ckpt.STATE)
+        except Exception as err:
+            if "No space left on device" not in str(err) and getattr(err, "errno", None) != errno.ENOSPC:
+                raise
+            shutil.rmtree(partial, ignore_errors=True)
+            raise UserError(
+                f"checkpoint step-{step}: the disk of {partial.parent} filled while writing it ({need:,} bytes); "
+                "what was written of it is removed and the previous checkpoint is intact: free space there, "
+                "choose another output_dir, or lower train.keep_last, then run the same command to resume"
+            ) from None
         if hosts.is_main():
             torch.save(groups, partial / ckpt.GROUPS)
             torch.save(self.lr_scheduler.state_dict(), partial / ckpt.SCHEDULER)
