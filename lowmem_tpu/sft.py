@@ -233,7 +233,7 @@ def _check_room(recipe: Recipe, job: Job, out: Path) -> None:
     saves = max(0, t.keep_last + 1 - len(ckpt.complete_checkpoints(out))) if t.save_steps else 0
     what = f"this run ({saves} more checkpoint(s) of {size(one)} and final/ of {size(final)})"
     if hosts.is_main():
-        ckpt.check_room(out, saves * one + final, what)
+        ckpt.check_room(out, saves * (one + ckpt.SAVE_MARGIN) + final, what)
 
 
 def _host_0_first(build: Any) -> Any:
@@ -321,6 +321,10 @@ def _base_reference(recipe: Recipe, model, tokenizer, out: Path) -> str:
         return str(Path(source).expanduser().resolve()) if Path(source).expanduser().exists() else source
     base = out / "base"
     if recipe.lora.enabled and hosts.is_main():  # the model is still on the host here, whole on every host
+        from lowmem_tpu.train.checkpoint import check_room
+
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        check_room(out, weights + 2**20, "the random-init base saved beside the adapter")
         model.save_pretrained(base)
         tokenizer.save_pretrained(base)
     return str(base.resolve())

@@ -171,7 +171,7 @@ def small_disk(tmp_path):
 
 
 def test_a_disk_too_small_for_the_run_is_refused_before_training(small_disk):
-    out = small_disk(3) / "run"
+    out = small_disk(8) / "run"  # room for the random-init base and the data cache, not for the checkpoints
     proc = subprocess.run(_cmd(out), capture_output=True, text=True, env=_env(), timeout=600)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "this run (3 more checkpoint(s) of" in proc.stderr and "which has" in proc.stderr
@@ -183,7 +183,7 @@ def test_a_disk_that_fills_during_the_run_stops_it_at_the_save_with_the_last_che
 
     from lowmem_tpu.files import damage
 
-    disk = small_disk(12)
+    disk = small_disk(16)
     out = disk / "run"
     proc = subprocess.Popen(_cmd(out), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
     for line in proc.stdout:

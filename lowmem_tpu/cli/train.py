@@ -65,8 +65,24 @@ def sft(
     except KeyboardInterrupt:
         typer.echo("interrupted", err=True)
         raise typer.Exit(130) from None
+    except Exception as err:
+        if not _disk_full(err):
+            raise
+        fail(
+            UserError(
+                f"the disk of {loaded.output_dir} filled up while the run wrote to it ({err}); complete checkpoints "
+                "are kept: free space there (or choose another output_dir) and run the same command again"
+            )
+        )
     if run.stopped in ("SIGTERM", "SIGINT"):
         raise typer.Exit(143 if run.stopped == "SIGTERM" else 130)
+
+
+def _disk_full(err: BaseException) -> bool:
+    """ENOSPC, however a library wrapped it (safetensors and DCP put it in their own errors' text)."""
+    import errno
+
+    return getattr(err, "errno", None) == errno.ENOSPC or "No space left on device" in str(err)
 
 
 @app.command()

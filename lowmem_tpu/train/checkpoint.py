@@ -31,6 +31,7 @@ GROUPS = "optimizer_groups.pt"
 EXPORT = "export"
 ADAPTER_KEYS = "adapter_keys.json"
 TRAINABLE, OPTIMIZER, MASTER = "trainable/", "optimizer/", "master/"
+SAVE_MARGIN = 2**20  # a checkpoint's small files beside its tensors (tokenizer, configs, RNG, metadata)
 SCHEDULER = "scheduler.pt"
 RECIPE = "recipe.yaml"
 STEP_DIR = re.compile(r"^step-(\d+)$")

@@ -288,7 +288,7 @@ class XlaSFTTrainer(SFTTrainer):
             raise NonFiniteError(f"step {step}: non-finite values in {where}; no checkpoint written")
         partial = ckpt.checkpoints_dir(self.args.output_dir) / f"step-{step}.partial"
         need = sum(t.numel() * t.element_size() for v in fetched.values() for t in sharded_state.host_values(v))
-        ckpt.check_room(partial.parent, need + 2**20, f"checkpoint step-{step}")
+        ckpt.check_room(partial.parent, need + ckpt.SAVE_MARGIN, f"checkpoint step-{step}")
         if hosts.is_main():
             fresh_partial(partial.with_suffix(""))
         hosts.barrier()  # the directory exists before any host writes into it
