@@ -137,9 +137,11 @@ def _run_sft(recipe: Recipe, runtime: Any, overwrite: bool, force_resume: bool, 
     job = _build(recipe, runtime, tokenizer, train_ds, eval_ds, micro, out)
     _check_room(recipe, job, out)
 
-    # At resume the checkpoint is loaded inside trainer.train(): an evaluation now would score the
-    # untrained model as if it were the resumed one, so there is none.
-    before = {} if resume else _evaluate(job, prompts, "before training")
+    if resume and (eval_ds is not None or prompts):
+        # trainer.train() loads the checkpoint only once it starts: load it now, so the evaluation
+        # scores the restored model, not the untrained one (train loads the same weights again).
+        job.trainer._load_from_checkpoint(str(resume))
+    before = _evaluate(job, prompts, f"at resume ({resume.name})" if resume else "before training")
     say(f"training {recipe.train.max_steps} steps")
     train_started = time.perf_counter()
     result = _train(job, resume)

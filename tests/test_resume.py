@@ -201,6 +201,26 @@ def test_a_disk_that_fills_during_the_run_stops_it_at_the_save_with_the_last_che
     assert f"resuming from {out / 'checkpoints' / 'step-2'}" in resumed.stdout
 
 
+def test_the_evaluation_at_resume_scores_the_restored_model(tmp_path):
+    """It equals the evaluation the first run made of the same weights at its end (not the untrained model's)."""
+    import re
+
+    out = tmp_path / "run"
+    args = ("train.max_steps=4", "train.eval_samples=0", "data.eval_path=builtin:reverse/eval.jsonl")
+    first = subprocess.run(_cmd(out, *args), capture_output=True, text=True, env=_env(), timeout=600)
+    assert first.returncode == 0, first.stderr[-3000:]
+    ended = re.search(r"eval after training: loss ([0-9.]+)", first.stdout)
+    (out / "final").rename(out / "final-at-4")
+    resumed = subprocess.run(
+        _cmd(out, *args, "train.max_steps=6"), capture_output=True, text=True, env=_env(), timeout=600
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    restored = re.search(r"eval at resume \(step-4\): loss ([0-9.]+)", resumed.stdout)
+    assert ended and restored and restored.group(1) == ended.group(1), resumed.stdout[-2000:]
+    before = re.search(r"eval before training: loss ([0-9.]+)", first.stdout)
+    assert before and before.group(1) != restored.group(1)
+
+
 def test_max_wall_time_saves_and_stops_cleanly(tmp_path):
     out = tmp_path / "run"
     proc = subprocess.run(_cmd(out, "train.max_wall_time=5s"), capture_output=True, text=True, env=_env(), timeout=600)

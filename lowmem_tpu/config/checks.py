@@ -6,11 +6,15 @@ the ones a bad field would make spurious before it reports.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from lowmem_tpu.config.assets import BUILTIN, builtin_has_weights, looks_local
 from lowmem_tpu.config.devices import DEVICES
 from lowmem_tpu.config.platform import on_tpu
 from lowmem_tpu.config.rules import batch_split_problem
-from lowmem_tpu.config.schema import DataSection, Recipe, ShardingSection
+
+if TYPE_CHECKING:  # the schema calls these checks; they only read its types
+    from lowmem_tpu.config.schema import DataSection, Recipe, ShardingSection
 
 
 def cross_problems(recipe: Recipe) -> list[tuple[tuple[str, ...], str]]:

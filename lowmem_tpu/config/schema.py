@@ -14,6 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from lowmem_tpu.config.assets import chat_template_names, check_source
+from lowmem_tpu.config.checks import cross_problems
 from lowmem_tpu.config.devices import TARGETS
 from lowmem_tpu.config.rules import parse_duration
 from lowmem_tpu.errors import UserError
@@ -339,8 +340,6 @@ class Recipe(Section):
     def _cross_checks(self, info: ValidationInfo) -> Recipe:
         # validate_recipe defers these so it can drop the ones a bad field would make spurious.
         if not (info.context or {}).get(DEFER_CROSS_CHECKS):
-            from lowmem_tpu.config.checks import cross_problems
-
             problems = [message for _, message in cross_problems(self)]
             if problems:
                 raise ValueError("\n".join(problems))
