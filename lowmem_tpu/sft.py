@@ -203,8 +203,11 @@ def _data(recipe: Recipe, tokenizer: Any, out: Path) -> tuple[Any, dict[str, Any
     cache_dir = out / "data_cache"
     # Every host builds the same global batches (XLA keeps each host's rows): host 0 tokenizes and
     # writes the cache, the others then read it.
-    train_ds, stats = _host_0_first(lambda: data.build_dataset(recipe.data, tokenizer, cache_dir=cache_dir))
-    differs = hosts.disagreement("the training rows", stats["rows_sha256"])
+    several = hosts.several()
+    train_ds, stats = _host_0_first(
+        lambda: data.build_dataset(recipe.data, tokenizer, cache_dir=cache_dir, digest=several)
+    )
+    differs = hosts.disagreement("the training rows", stats.get("rows_sha256"))
     if differs:
         raise UserError(f"data: {differs}; every host must read the same files (a shared disk, or the same copy)")
     cached = ", from the cache" if stats["cached"] else ""

@@ -67,7 +67,6 @@ def test_text_trains_every_token_and_ends_with_eos(tok, tmp_path):
     assert row["attention_mask"] == [1] * 7 + [0] * 5
     assert row["labels"] == row["input_ids"][:7] + [-100] * 5
     assert row["input_ids"][7:] == [tok.pad_token_id] * 5
-    assert len(stats.pop("rows_sha256")) == 16  # what the hosts of a pod slice compare
     assert stats == {
         "samples": 2,
         "rows": 2,

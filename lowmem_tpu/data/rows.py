@@ -52,6 +52,7 @@ def build_dataset(
     split: str | None = None,
     max_samples: int | None = None,
     cache_dir: Path | None = None,
+    digest: bool = False,
 ) -> tuple[datasets.Dataset, dict[str, Any]]:
     """Load, format and tokenize one part of the data into rows of exactly ``cfg.max_length`` tokens.
 
@@ -67,7 +68,8 @@ def build_dataset(
 
     Returns the dataset and stats: samples (records read), rows, truncated, dropped, longest (tokens of
     the longest sample), tokens (real tokens in the rows), trained_tokens (labels that are not -100),
-    and cached (whether the rows came from the cache).
+    and cached (whether the rows came from the cache); with ``digest`` also rows_sha256, a hash of every
+    row that the hosts of a pod slice compare (1.4 s for 51,760 rows of 1024 tokens, so only when asked).
     """
     import datasets
 
@@ -87,8 +89,8 @@ def build_dataset(
         cache.save(cache_dir, key, arrays, stats)
     else:
         arrays, stats = found
-    digest = rows_digest(arrays)
-    return datasets.Dataset.from_dict(arrays), {**stats, "rows_sha256": digest, "cached": found is not None}
+    hashed = {"rows_sha256": rows_digest(arrays)} if digest else {}
+    return datasets.Dataset.from_dict(arrays), {**stats, **hashed, "cached": found is not None}
 
 
 def rows_digest(arrays: dict[str, Any]) -> str:
