@@ -151,3 +151,19 @@ def test_a_second_run_into_the_same_output_dir_is_refused_and_a_killed_ones_lock
         holder.wait()
     with holding(out, "output_dir"):  # the kernel dropped the killed holder's lock
         pass
+
+
+def test_ctrl_c_in_any_long_command_says_interrupted_and_exits_130(tmp_path):
+    """Not click's "Aborted!" (exit 1) nor a traceback; sft has its own handling (tests/test_resume.py)."""
+    import signal
+
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "lowmem_tpu.cli", "doctor", "--out", str(tmp_path / "doctor.json")]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:
+        if line.startswith("training a tiny"):
+            proc.send_signal(signal.SIGINT)
+            break
+    assert proc.wait(timeout=300) == 130
+    stderr = proc.stderr.read()
+    assert stderr.strip().endswith("interrupted") and "Traceback" not in stderr and "Aborted" not in stderr

@@ -2,7 +2,7 @@
 
 ``common`` holds the typer app and what every command shares; each other module registers its
 commands on it, in the order ``--help`` lists them: ``train`` (validate, show, sft, memory,
-compare), ``use`` (generate, chat, eval), ``publish`` (merge, push) and ``tools`` (recipes, doctor).
+compare), ``use`` (generate, chat, eval), ``publish`` (export, merge, push) and ``tools`` (recipes, doctor).
 """
 
 # isort: off
@@ -12,8 +12,28 @@ from lowmem_tpu.cli.common import app
 # isort: on
 
 
+class Interrupted(BaseException):
+    """Ctrl-C outside training. Not a KeyboardInterrupt: click would turn that into "Aborted!" and exit 1."""
+
+
 def main() -> None:
-    app(prog_name="lowmem-tpu")
+    """Every command: Ctrl-C ends it with "interrupted" and exit 130, no traceback; outputs are built beside
+    their place and renamed in, so an interrupted merge, eval or compare leaves no half-written result.
+    (``sft`` puts its own handler in place while it trains: the first Ctrl-C saves, then stops.)"""
+    import signal
+    import sys
+    import threading
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise Interrupted
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, interrupt)
+    try:
+        app(prog_name="lowmem-tpu")
+    except Interrupted:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
 
 
 __all__ = ["app", "main"]
