@@ -80,7 +80,7 @@ def holding(directory: Path, field: str) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def write_manifest(directory: Path, skip: tuple[str, ...] = ()) -> None:
+def write_manifest(directory: Path) -> None:
     """Record every file under ``directory`` (its size, and its SHA-256 up to 64 MiB) in ``MANIFEST.json``.
 
     Written last, after everything it lists: a directory whose files still match it is whole. Files
@@ -88,7 +88,7 @@ def write_manifest(directory: Path, skip: tuple[str, ...] = ()) -> None:
     hashing gigabytes at every save would cost more than the save.
     """
     entries = {}
-    for path in sorted(p for p in directory.rglob("*") if p.is_file() and p.name not in (MANIFEST, *skip)):
+    for path in sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST):
         size = path.stat().st_size
         entries[path.relative_to(directory).as_posix()] = {"bytes": size, "sha256": _sha256(path, size)}
     write_json(directory / MANIFEST, {"files": entries})
@@ -136,3 +136,10 @@ def _sha256(path: Path, size: int) -> str | None:
     import hashlib
 
     return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def disk_full(err: BaseException) -> bool:
+    """ENOSPC, however a library wrapped it (safetensors and DCP put it in their own errors' text)."""
+    import errno
+
+    return getattr(err, "errno", None) == errno.ENOSPC or "No space left on device" in str(err)

@@ -7,7 +7,7 @@ writing its own checkpoint shards). A decision that ends the SPMD program (SIGTE
 agreed over the host group (``agree_stop``), or the hosts that did not stop hang in the next
 collective.
 
-The group is a CPU process group (gloo). On a TPU slice ``xla.runtime.join_hosts`` starts it with
+The group is a CPU process group (gloo). On a TPU slice ``xla.runtime.setup_runtime`` starts it with
 torch_xla's ``xla://`` rendezvous; one host (every single VM, the CPU backend) has no group and
 every function here is a local no-op. Tests start real gloo groups of several processes.
 """
@@ -33,9 +33,6 @@ class Host:
     @property
     def main(self) -> bool:
         return self.index == 0
-
-    def describe(self) -> str:
-        return f"host {self.index} of {self.count}"
 
 
 _HOST = Host()
@@ -95,26 +92,19 @@ def agree_stop(reason: str | None) -> str | None:
     """
     if not several():
         return reason
-    reasons = gather_objects(reason, everywhere=True)
+    reasons = gather_objects(reason)
     return next((r for r in reasons if r is not None), None)
 
 
-def gather_objects(value: Any, everywhere: bool = False) -> list[Any]:
-    """Every host's ``value``, by host index: on host 0 only (``everywhere`` for all hosts); [value] on one host.
-
-    Off host 0 without ``everywhere`` the list is empty.
-    """
+def gather_objects(value: Any) -> list[Any]:
+    """Every host's ``value``, by host index, on every host ([value] on one host)."""
     if not several():
         return [value]
     import torch.distributed as dist
 
-    if everywhere:
-        out: list[Any] = [None] * _HOST.count
-        dist.all_gather_object(out, value)
-        return out
-    out = [None] * _HOST.count if _HOST.main else None
-    dist.gather_object(value, out, dst=0)
-    return out or []
+    out: list[Any] = [None] * _HOST.count
+    dist.all_gather_object(out, value)
+    return out
 
 
 def broadcast(value: Any) -> Any:
@@ -133,7 +123,7 @@ def disagreement(what: str, value: Any) -> str | None:
     if not several():
         return None
     digest = hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
-    digests = gather_objects(digest, everywhere=True)
+    digests = gather_objects(digest)
     odd = [i for i, d in enumerate(digests) if d != digests[0]]
     return f"{what} differs between hosts: host(s) {odd} against host 0" if odd else None
 

@@ -94,7 +94,7 @@ def _host_copy(workdir: Path, drop_on: int | None = None) -> dict[str, Any]:
     mine = [] if h.index == drop_on else [Piece((slice(h.index * rows, (h.index + 1) * rows), slice(0, 6)), None)]
     for piece in mine:
         piece.data = whole[piece.where].clone()
-    everyone = hosts.gather_objects(mine, everywhere=True)
+    everyone = hosts.gather_objects(mine)
     try:
         copy = assemble(whole.shape, whole.dtype, [p for pieces in everyone for p in pieces])
     except IncompleteCopy as err:

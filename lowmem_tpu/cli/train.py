@@ -66,7 +66,9 @@ def sft(
         typer.echo("interrupted", err=True)
         raise typer.Exit(130) from None
     except Exception as err:
-        if not _disk_full(err):
+        from lowmem_tpu.files import disk_full
+
+        if not disk_full(err):
             raise
         fail(
             UserError(
@@ -76,13 +78,6 @@ def sft(
         )
     if run.stopped in ("SIGTERM", "SIGINT"):
         raise typer.Exit(143 if run.stopped == "SIGTERM" else 130)
-
-
-def _disk_full(err: BaseException) -> bool:
-    """ENOSPC, however a library wrapped it (safetensors and DCP put it in their own errors' text)."""
-    import errno
-
-    return getattr(err, "errno", None) == errno.ENOSPC or "No space left on device" in str(err)
 
 
 @app.command()

@@ -94,7 +94,7 @@ def build_dataset(
 
 
 def rows_digest(arrays: dict[str, Any]) -> str:
-    """A short hash of every row's tokens and labels: hosts of a pod slice compare it (one pass, ~0.3 s/100 MB)."""
+    """A short hash of every row's tokens and labels: what the hosts of a pod slice compare."""
     import hashlib
 
     import numpy as np

@@ -24,6 +24,7 @@ import yaml
 
 from lowmem_tpu.errors import UserError
 from lowmem_tpu.files import damage, publish, write_manifest
+from lowmem_tpu.train.master import MASTERS
 
 COMPLETE = "COMPLETE"
 STATE = "state"
@@ -127,8 +128,18 @@ def _lookup(data: dict[str, Any], dotted: str) -> Any:
 def optimizer_entries(state: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """An optimizer's checkpoint state as flat entries (``optimizer/I/KEY``, ``master/J``) and its param groups."""
     flat = {f"{OPTIMIZER}{i}/{k}": v for i, values in state["state"].items() for k, v in values.items()}
-    flat |= {f"{MASTER}{j}": m for j, m in enumerate(state.get("master_weights") or [])}
+    flat |= {f"{MASTER}{j}": m for j, m in enumerate(state.get(MASTERS) or [])}
     return flat, state["param_groups"]
+
+
+def optimizer_state_of(entries: dict[str, Any]) -> dict[tuple[int, str], Any]:
+    """The ``optimizer/I/KEY`` entries by (parameter index, key)."""
+    out = {}
+    for key, value in entries.items():
+        if key.startswith(OPTIMIZER):
+            index, name = key.removeprefix(OPTIMIZER).split("/", 1)
+            out[int(index), name] = value
+    return out
 
 
 def read_metadata(directory: Path) -> dict[str, Any]:

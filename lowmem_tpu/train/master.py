@@ -69,19 +69,16 @@ def masters_of(optimizer: Any) -> list[torch.Tensor]:
     return [master for _, master in inner.pairs] if isinstance(inner, _MasterWeights) else []
 
 
-def restore_checkpoint_state(optimizer: Any, loaded: dict[str, Any], params: list[torch.Tensor]) -> None:
-    """Put loaded ``optimizer/I/KEY`` entries into the optimizer's state for ``params[I]``.
+def restore_checkpoint_state(optimizer: Any, loaded: dict[tuple[int, str], Any], params: list[torch.Tensor]) -> None:
+    """Put loaded optimizer state, by (parameter index, key), into the optimizer's state for ``params``.
 
     Tensors already on the devices (loaded in place, sharded like their parameter) stay as they are;
     ``step`` stays on the host as torch keeps it; other host tensors move to their parameter's device.
-    The masters (``master/J``) were loaded in place.
+    The masters were loaded in place.
     """
     state = _inner(optimizer).state
-    for key, value in loaded.items():
-        if not key.startswith("optimizer/"):
-            continue
-        index, name = key.removeprefix("optimizer/").split("/", 1)
-        param = params[int(index)]
+    for (index, name), value in loaded.items():
+        param = params[index]
         if isinstance(value, torch.Tensor) and name != "step" and value.device != param.device:
             value = value.to(param.device)
         state[param][name] = value

@@ -13,7 +13,6 @@ per-step ``.item()`` calls would cut every step's graph in two and sync the host
 
 from __future__ import annotations
 
-import errno
 import shutil
 import time
 from pathlib import Path
@@ -28,7 +27,7 @@ from lowmem_tpu.config import Recipe
 from lowmem_tpu.config.schema import uses_master_weights
 from lowmem_tpu.data import collate
 from lowmem_tpu.errors import NonFiniteError, UserError
-from lowmem_tpu.files import fresh_partial, write_json
+from lowmem_tpu.files import disk_full, fresh_partial, write_json
 from lowmem_tpu.model import torch_dtype
 from lowmem_tpu.model.attention import packed_inputs
 from lowmem_tpu.model.loss import add_chunked_loss
@@ -286,16 +285,17 @@ class XlaSFTTrainer(SFTTrainer):
         if not hosts.all_true(not bad):
             where = bad[0].removeprefix(ckpt.TRAINABLE) if bad else "another host's shards"
             raise NonFiniteError(f"step {step}: non-finite values in {where}; no checkpoint written")
-        partial = ckpt.checkpoints_dir(self.args.output_dir) / f"step-{step}.partial"
+        final = ckpt.checkpoints_dir(self.args.output_dir) / f"step-{step}"
+        partial = final.with_name(final.name + ".partial")
         need = sum(t.numel() * t.element_size() for v in fetched.values() for t in sharded_state.host_values(v))
-        ckpt.check_room(partial.parent, need + ckpt.SAVE_MARGIN, f"checkpoint step-{step}")
+        ckpt.check_room(final.parent, need + ckpt.SAVE_MARGIN, f"checkpoint step-{step}")
         if hosts.is_main():
-            fresh_partial(partial.with_suffix(""))
+            fresh_partial(final)
         hosts.barrier()  # the directory exists before any host writes into it
         try:
             sharded_state.write(fetched, partial / ckpt.STATE)
         except Exception as err:
-            if "No space left on device" not in str(err) and getattr(err, "errno", None) != errno.ENOSPC:
+            if not disk_full(err):
                 raise
             shutil.rmtree(partial, ignore_errors=True)
             raise UserError(
@@ -312,7 +312,7 @@ class XlaSFTTrainer(SFTTrainer):
             self._save_export_files(partial / ckpt.EXPORT)
             ckpt.finish(partial, self.recipe.train.keep_last)
         hosts.barrier()  # every host sees the finished checkpoint
-        self.last_checkpoint = partial.with_suffix("")
+        self.last_checkpoint = final
         self.save_compiles[step] = rt.compile_count() - compiles
         self.save_seconds[step] = round(time.perf_counter() - started, 3)
 
@@ -346,7 +346,7 @@ class XlaSFTTrainer(SFTTrainer):
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         targets = self._optimizer_targets(ckpt.read_metadata(path), params)
         sharded_state.load_into(targets, path / ckpt.STATE)
-        restore_checkpoint_state(self.optimizer, targets, params)
+        restore_checkpoint_state(self.optimizer, ckpt.optimizer_state_of(targets), params)
         self.lr_scheduler.load_state_dict(torch.load(path / ckpt.SCHEDULER, weights_only=True))
         rt.sync()
 

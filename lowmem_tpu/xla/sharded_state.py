@@ -18,25 +18,20 @@ from typing import Any
 import torch
 
 from lowmem_tpu import hosts
-from lowmem_tpu.xla.transfer import local_pieces
+from lowmem_tpu.xla.transfer import cut_step, is_sharded, local_pieces, plain_copies
 
 
 def fetch(state: dict[str, Any]) -> dict[str, Any]:
     """``state`` with each XLA tensor replaced by this host's part of it: ``_CpuShards`` or a host tensor."""
-    import torch_xla
-    import torch_xla.core.xla_model as xm
     import torch_xla.distributed.spmd as xs
     from torch_xla.experimental.distributed_checkpoint._helpers import _CpuShards
 
-    seed = xm.get_rng_state()
-    torch_xla.sync(wait=True)  # the step that writes the shards must have finished
-    xm.set_rng_state(seed)  # a graph cut advances the seed: put it back (see transfer.to_host)
+    cut_step()
     on_device = {k: v.detach() for k, v in state.items() if isinstance(v, torch.Tensor) and v.device.type == "xla"}
-    sharded = [k for k, v in on_device.items() if torch_xla._XLAC._get_xla_sharding_spec(v)]
+    sharded = [k for k, v in on_device.items() if is_sharded(v)]
     plain = [k for k in on_device if k not in sharded]
     out = dict(state)
-    for key, host in zip(plain, torch_xla._XLAC._xla_get_cpu_tensors([on_device[k] for k in plain]), strict=True):
-        out[key] = host
+    out.update(zip(plain, plain_copies([on_device[k] for k in plain]), strict=True))
     for key, pieces in zip(sharded, local_pieces([on_device[k] for k in sharded]), strict=True):
         tensor = on_device[key]
         if len(pieces) == 1 and pieces[0].where is None:

@@ -37,36 +37,54 @@ class Piece:
 def to_host(tree: Any) -> Any:
     """A nested state (dicts, lists, tuples) with every XLA tensor copied to the host.
 
-    The step's lazy graph is cut first: a tensor copied while the step is still pending would
-    rerun the whole step for that one tensor. That graph is the step the device loader would have
-    cut anyway, so it is a cache hit. A graph cut advances the XLA RNG seed, so the seed is put
-    back: a run that saves draws the same dropout masks as one that does not. Host tensors and
-    non-tensors are left as they are.
+    The step is finished first (:func:`cut_step`). Host tensors and non-tensors are left as they are.
+    """
+    cut_step()
+    leaves, spec = tree_flatten(tree)
+    on_device = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and leaf.device.type == "xla"]
+    tensors = [leaves[i].detach() for i in on_device]
+    sharded = [is_sharded(t) for t in tensors]
+    host_plain = iter(plain_copies([t for t, s in zip(tensors, sharded, strict=True) if not s]))
+    host_sharded = iter(_assemble([t for t, s in zip(tensors, sharded, strict=True) if s]))
+    for i, with_shards in zip(on_device, sharded, strict=True):
+        leaves[i] = next(host_sharded) if with_shards else next(host_plain)
+    return tree_unflatten(leaves, spec)
+
+
+def cut_step() -> None:
+    """Finish the pending step (one graph cut), keeping the XLA RNG seed as it was.
+
+    A tensor copied while the step is still pending would rerun the whole step for that one tensor;
+    shards cannot be read while the step that writes them is in flight. That graph is the step the
+    device loader would have cut anyway, so it is a cache hit. A graph cut advances the XLA RNG seed,
+    so the seed is put back: a run that saves draws the same dropout masks as one that does not.
     """
     import torch_xla
     import torch_xla.core.xla_model as xm
 
     seed = xm.get_rng_state()
-    torch_xla.sync(wait=True)  # shards cannot be read while the step that writes them is in flight
+    torch_xla.sync(wait=True)
     xm.set_rng_state(seed)
-    leaves, spec = tree_flatten(tree)
-    on_device = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and leaf.device.type == "xla"]
-    tensors = [leaves[i].detach() for i in on_device]
-    sharded = [bool(torch_xla._XLAC._get_xla_sharding_spec(t)) for t in tensors]
-    plain = [t for t, s in zip(tensors, sharded, strict=True) if not s]
-    with_shards = [t for t, s in zip(tensors, sharded, strict=True) if s]
-    host_plain = iter(torch_xla._XLAC._xla_get_cpu_tensors(plain) if plain else [])
-    host_sharded = iter(_assemble(with_shards))
-    for i, is_sharded in zip(on_device, sharded, strict=True):
-        leaves[i] = next(host_sharded) if is_sharded else next(host_plain)
-    return tree_unflatten(leaves, spec)
+
+
+def is_sharded(tensor: torch.Tensor) -> bool:
+    import torch_xla
+
+    return bool(torch_xla._XLAC._get_xla_sharding_spec(tensor))
+
+
+def plain_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Host copies of XLA tensors that are not sharded (each device holds the whole tensor)."""
+    import torch_xla
+
+    return list(torch_xla._XLAC._xla_get_cpu_tensors(tensors)) if tensors else []
 
 
 def _assemble(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Host copies of sharded tensors, put together from every host's shards (padding dropped)."""
     pieces = local_pieces(tensors)
     if hosts.several():  # each host sees only its own devices' shards
-        everyone = hosts.gather_objects(pieces, everywhere=True)
+        everyone = hosts.gather_objects(pieces)
         pieces = [[p for host in everyone for p in host[i]] for i in range(len(tensors))]
     return [assemble(t.shape, t.dtype, p) for t, p in zip(tensors, pieces, strict=True)]
 
