@@ -310,16 +310,17 @@ def test_missing_file_and_unreachable_hub(tmp_path, monkeypatch):
 
 def test_missing_field_lists_the_columns(tok, tmp_path):
     path = write_jsonl(tmp_path / "t.jsonl", [{"body": "x", "id": 1}])
-    with pytest.raises(DataError, match=r"expects the column\(s\) text but found: body, id.*data.text_field"):
+    with pytest.raises(DataError, match=r"reads the column\(s\) text but the data has: body, id.*data.columns"):
         build_dataset(DataSection(path=str(path), format="text"), tok)
     path = write_jsonl(tmp_path / "c.jsonl", [chat("a", "b")])
-    with pytest.raises(DataError, match=r"instruction, output, input \(optional\).*found: messages.*data.format: chat"):
+    expected = r"instruction, input \(optional\), output but.*has: messages.*data.format: chat"
+    with pytest.raises(DataError, match=expected):
         build_dataset(DataSection(path=str(path), format="alpaca"), tok)
 
 
 def test_bad_values_name_the_record(tok, tmp_path):
     path = write_jsonl(tmp_path / "c.jsonl", [chat("a", "b"), {"messages": "just text"}])
-    with pytest.raises(DataError, match=r"record 2: data.messages_field 'messages' must be a list"):
+    with pytest.raises(DataError, match=r"record 2: column 'messages' must be a non-empty list"):
         build_dataset(DataSection(path=str(path)), tok)
 
 

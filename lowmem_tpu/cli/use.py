@@ -134,7 +134,11 @@ def eval_command(
     data: Annotated[str, typer.Option("--data", help="A local .jsonl/.json/.csv/.parquet file or a Hub dataset id.")],
     fmt: Annotated[
         str | None,
-        typer.Option("--format", help="chat, alpaca or text (default: the run's data.format).", show_default=False),
+        typer.Option(
+            "--format",
+            help="text, alpaca, chat, prompt_completion or sharegpt (default: the run's data.format).",
+            show_default=False,
+        ),
     ] = None,
     split: Annotated[str | None, typer.Option("--split", help="Split of a Hub dataset.", show_default=False)] = None,
     samples: Annotated[

@@ -25,6 +25,16 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 QUANT_BITS = {"int8": 8, "int4": 4}
 
 
+# The fields each data format reads from a record (``data.columns`` maps them to other column names).
+FORMAT_FIELDS: dict[str, tuple[str, ...]] = {
+    "text": ("text",),
+    "alpaca": ("instruction", "input", "output"),
+    "chat": ("messages",),
+    "prompt_completion": ("prompt", "completion"),
+    "sharegpt": ("conversations",),
+}
+
+
 class RecipeError(UserError):
     """A recipe that cannot be used; ``problems`` lists every ``dotted.path: message``."""
 
@@ -133,12 +143,22 @@ class DataSection(Section):
         description="Chat template for format chat: plain or chatml (shipped), or a Jinja file "
         "(default: the tokenizer's own, else plain). Saved with the tokenizer in final/.",
     )
-    format: Literal["text", "alpaca", "chat"] = Field(
-        "chat", description="text: a text field; alpaca: instruction/input/output; chat: messages."
+    format: Literal["text", "alpaca", "chat", "prompt_completion", "sharegpt"] = Field(
+        "chat",
+        description="text: a text column; alpaca: instruction/input/output; chat: messages of role/content; "
+        "prompt_completion: TRL's prompt/completion (strings, or lists of messages); sharegpt: conversations "
+        "of from/value turns.",
+    )
+    columns: dict[str, str] = Field(
+        default_factory=dict,
+        description="The format's fields read from other columns, {field: column}: e.g. databricks-dolly as "
+        "alpaca: {instruction: instruction, input: context, output: response}.",
     )
     text_field: str = Field("text", description="Column with the text (format text).")
     messages_field: str = Field("messages", description="Column with the conversation (format chat).")
-    mask_prompt: bool = Field(True, description="Train only on completions (alpaca) or assistant turns (chat).")
+    mask_prompt: bool = Field(
+        True, description="Train only on the answers: completions, outputs, assistant turns (not for text)."
+    )
     max_length: int = Field(
         512, gt=1, le=131072, description="Every batch is padded/packed to this length: activations scale with it."
     )
@@ -156,6 +176,17 @@ class DataSection(Section):
     @classmethod
     def _exists(cls, value: str | None) -> str | None:
         return None if value is None else check_source(value, "dataset")
+
+    @model_validator(mode="after")
+    def _columns(self) -> DataSection:
+        fields = FORMAT_FIELDS[self.format]
+        unknown = sorted(set(self.columns) - set(fields))
+        if unknown:
+            raise ValueError(
+                f"columns: {', '.join(unknown)} is not a field of format {self.format}; its fields are "
+                f"{', '.join(fields)} (map each to the column that holds it)"
+            )
+        return self
 
     @field_validator("chat_template")
     @classmethod

@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lowmem_tpu import faults
 from lowmem_tpu.files import fresh_partial, publish, write_json
 
 if TYPE_CHECKING:
@@ -67,4 +68,5 @@ def save(directory: Path | None, key: str, arrays: dict[str, np.ndarray], stats:
     partial = fresh_partial(final)
     np.savez(partial / ROWS, **arrays)
     write_json(partial / STATS, stats)
+    faults.point("cache")
     publish(partial, final)

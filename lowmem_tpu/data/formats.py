@@ -1,7 +1,10 @@
-"""The formats (text, alpaca, chat): a record becomes (input_ids, labels) of any length.
+"""The formats: a record becomes (input_ids, labels) of any length.
 
-Labels are not shifted (the model shifts them) and are ``-100`` wherever nothing should be
-learned; with ``data.mask_prompt`` that is the prompt (alpaca) or every non-assistant turn (chat).
+text (a text column), alpaca (instruction/input/output), chat (messages), prompt_completion (TRL's
+prompt/completion, plain strings or conversational lists of messages) and sharegpt (from/value
+turns, read as chat). Labels are not shifted (the model shifts them) and are ``-100`` wherever
+nothing should be learned; with ``data.mask_prompt`` that is the prompt (alpaca, prompt_completion)
+or every non-assistant turn (chat, sharegpt). ``fields`` reads a record's columns.
 """
 
 from __future__ import annotations
@@ -10,6 +13,8 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from lowmem_tpu.config import DataSection
+from lowmem_tpu.data import fields
+from lowmem_tpu.data.fields import CHAT_LIKE, require_columns
 from lowmem_tpu.data.loading import DataError
 
 if TYPE_CHECKING:
@@ -31,69 +36,15 @@ Sample = tuple[Any, Any]  # (input_ids, labels) of one record, any length: lists
 # --------------------------------------------------------------------------- checks
 
 
-def require_columns(records: datasets.Dataset, cfg: DataSection, source: str) -> None:
-    """Fail, naming the columns found and the recipe field to set, when the format's columns are missing."""
-    columns = list(records.column_names)
-    if cfg.format == "text":
-        expected, fix = [cfg.text_field], "set data.text_field to the column that holds the text"
-    elif cfg.format == "chat":
-        expected, fix = [cfg.messages_field], "set data.messages_field to the column that holds the conversation"
-    else:
-        expected, fix = ["instruction", "output"], "alpaca data needs instruction, output and optionally input"
-    missing = [name for name in expected if name not in columns]
-    if not missing:
-        return
-    guess = _guess_format(columns)
-    hint = f"; the columns look like {guess} data: set data.format: {guess}" if guess and guess != cfg.format else ""
-    wanted = ", ".join(expected) + (", input (optional)" if cfg.format == "alpaca" else "")
-    raise DataError(
-        f"{source}: data.format {cfg.format} expects the column(s) {wanted} but found: {', '.join(columns)}; "
-        f"missing: {', '.join(missing)}; {fix}{hint}"
-    )
-
-
-def _guess_format(columns: list[str]) -> str | None:
-    if "messages" in columns:
-        return "chat"
-    if {"instruction", "output"} <= set(columns):
-        return "alpaca"
-    return "text" if "text" in columns else None
-
-
-def _string(record: dict[str, Any], field: str, where: str, setting: str, optional: bool = False) -> str:
-    value = record.get(field)
-    if value is None and optional:
-        return ""
-    if not isinstance(value, str):
-        raise DataError(f"{where}: {setting} {field!r} must be a string, not {type(value).__name__}")
-    return value
-
-
-def _messages(record: dict[str, Any], cfg: DataSection, where: str) -> list[dict[str, Any]]:
-    """The conversation of a chat record as plain dicts (keys that ``datasets`` filled with None are dropped)."""
-    value = record.get(cfg.messages_field)
-    problem = f"{where}: data.messages_field {cfg.messages_field!r} must be a list of {{role, content}} messages"
-    if not isinstance(value, list) or not value:
-        raise DataError(f"{problem}, not {value!r:.80}")
-    messages = []
-    for message in value:
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise DataError(f"{problem}; got {message!r:.80}")
-        if not isinstance(message.get("content"), str):
-            raise DataError(f"{problem}; a {message['role']} message has no string content")
-        messages.append({key: item for key, item in message.items() if item is not None})
-    return messages
-
-
 def check_tokenizer(tokenizer: Any, cfg: DataSection) -> None:
     if tokenizer.pad_token_id is None:
         raise DataError("the tokenizer has no pad token: set model.pad_token (padding is masked by position)")
-    if cfg.format == "chat" and not getattr(tokenizer, "chat_template", None):
+    if cfg.format in CHAT_LIKE and not getattr(tokenizer, "chat_template", None):
         raise DataError(
-            "data.format chat needs a chat template but the tokenizer has none: set data.chat_template "
+            f"data.format {cfg.format} needs a chat template but the tokenizer has none: set data.chat_template "
             "(plain or chatml, shipped, or a Jinja file) or use data.format alpaca/text"
         )
-    if cfg.format != "chat" and tokenizer.eos_token_id is None:
+    if cfg.format not in CHAT_LIKE and tokenizer.eos_token_id is None:
         raise DataError(f"data.format {cfg.format} ends every sample with EOS but the tokenizer has no eos token")
 
 
@@ -117,11 +68,27 @@ def alpaca_prompt(instruction: str, input: str = "") -> str:
     return template.format(instruction=instruction, input=input)
 
 
-def _alpaca_fields(record: dict[str, Any], where: str) -> tuple[str, str]:
+def _alpaca_fields(record: dict[str, Any], cfg: DataSection, where: str) -> tuple[str, str]:
     """(prompt text, output) of an alpaca record."""
-    instruction = _string(record, "instruction", where, "column")
-    extra = _string(record, "input", where, "column", optional=True)
-    return alpaca_prompt(instruction, extra), _string(record, "output", where, "column")
+    instruction = fields.string(record, cfg, "instruction", where)
+    extra = fields.string(record, cfg, "input", where)
+    return alpaca_prompt(instruction, extra), fields.string(record, cfg, "output", where)
+
+
+def _prompt_completion(record: dict[str, Any], cfg: DataSection, where: str) -> tuple[Any, Any]:
+    """(prompt, completion) of a prompt_completion record: two strings, or two lists of messages."""
+    prompt = record.get(fields.column(cfg, "prompt"))
+    if fields.is_conversation(prompt) or fields.is_conversation(record.get(fields.column(cfg, "completion"))):
+        return fields.messages(record, cfg, "prompt", where), fields.messages(record, cfg, "completion", where)
+    return fields.string(record, cfg, "prompt", where), fields.string(record, cfg, "completion", where)
+
+
+def _need_template(tokenizer: Any, where: str) -> None:
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError(
+            f"{where}: a conversational prompt/completion (lists of messages) is rendered with a chat template "
+            "and the tokenizer has none: set data.chat_template (plain or chatml, shipped, or a Jinja file)"
+        )
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -141,7 +108,7 @@ def _render(tokenizer: Any, messages: list[dict[str, Any]], generation_prompt: b
 
 
 def _text_texts(record: dict[str, Any], cfg: DataSection, tokenizer: Any, where: str) -> list[str]:
-    return [_string(record, cfg.text_field, where, "data.text_field")]
+    return [fields.string(record, cfg, "text", where)]
 
 
 def _text_sample(ids: list[list[int]], cfg: DataSection, tokenizer: Any, where: str) -> Sample:
@@ -150,7 +117,7 @@ def _text_sample(ids: list[list[int]], cfg: DataSection, tokenizer: Any, where: 
 
 
 def _alpaca_texts(record: dict[str, Any], cfg: DataSection, tokenizer: Any, where: str) -> list[str]:
-    prompt, output = _alpaca_fields(record, where)
+    prompt, output = _alpaca_fields(record, cfg, where)
     return [prompt, prompt + output]
 
 
@@ -176,7 +143,7 @@ def _chat_texts(record: dict[str, Any], cfg: DataSection, tokenizer: Any, where:
     prompt to the end of the conversation including it, so whatever the template appends after the
     content (EOS, newline) is trained too.
     """
-    messages = _messages(record, cfg, where)
+    messages = fields.conversation(record, cfg, where)
     texts = [_render(tokenizer, messages, False, where)]
     if cfg.mask_prompt:
         for i in (i for i, message in enumerate(messages) if message["role"] == "assistant"):
@@ -203,10 +170,29 @@ def _chat_sample(ids: list[list[int]], cfg: DataSection, tokenizer: Any, where: 
     return tokens, labels
 
 
+def _prompt_completion_texts(record: dict[str, Any], cfg: DataSection, tokenizer: Any, where: str) -> list[str]:
+    """Plain: the prompt, then prompt and completion joined (as alpaca). Conversational: the whole
+    conversation, then (with mask_prompt) the completion's span as chat's pair of renderings: the prompt
+    with the generation prompt, and the whole conversation, so every completion message is trained."""
+    prompt, completion = _prompt_completion(record, cfg, where)
+    if isinstance(prompt, str):
+        return [prompt, prompt + completion]
+    _need_template(tokenizer, where)
+    whole = _render(tokenizer, prompt + completion, False, where)
+    return [whole, _render(tokenizer, prompt, True, where), whole] if cfg.mask_prompt else [whole]
+
+
+def _prompt_completion_sample(ids: list[list[int]], cfg: DataSection, tokenizer: Any, where: str) -> Sample:
+    plain = len(ids) == 2  # see _prompt_completion_texts: [prompt, joined] or chat's [whole, start, end]
+    return (_alpaca_sample if plain else _chat_sample)(ids, cfg, tokenizer, where)
+
+
 FORMATS = {
     "text": (_text_texts, _text_sample),
     "alpaca": (_alpaca_texts, _alpaca_sample),
     "chat": (_chat_texts, _chat_sample),
+    "sharegpt": (_chat_texts, _chat_sample),
+    "prompt_completion": (_prompt_completion_texts, _prompt_completion_sample),
 }
 BATCH = 1000  # records tokenized per tokenizer call
 
@@ -235,8 +221,10 @@ def prompt_answer_pairs(
 ) -> list[tuple[list[int], str]]:
     """The first ``n`` records as (prompt token ids, expected answer) for greedy exact match.
 
-    chat: the conversation before the last assistant turn with the generation prompt -> that turn's content.
-    alpaca: the tokens before the answer in the joined text (the very ones training masks) -> the output.
+    chat, sharegpt: the conversation before the last assistant turn with the generation prompt -> that
+    turn's content. alpaca, plain prompt_completion: the tokens before the answer in the joined text (the
+    very ones training masks) -> the output. Conversational prompt_completion: the prompt rendered with the
+    generation prompt -> the completion's last message.
     """
     if cfg.format == "text":
         raise DataError(
@@ -250,12 +238,15 @@ def prompt_answer_pairs(
 
 
 def _prompt(record: dict[str, Any], cfg: DataSection, tokenizer: Any, where: str) -> tuple[list[int], str]:
-    if cfg.format == "alpaca":
-        prompt, output = _alpaca_fields(record, where)
-        ids = _tokenize(tokenizer, [prompt, prompt + output])
+    if cfg.format in ("alpaca", "prompt_completion"):
+        prompt, answer = (_alpaca_fields if cfg.format == "alpaca" else _prompt_completion)(record, cfg, where)
+        if isinstance(prompt, list):
+            _need_template(tokenizer, where)
+            return _tokenize(tokenizer, [_render(tokenizer, prompt, True, where)])[0], answer[-1]["content"]
+        ids = _tokenize(tokenizer, [prompt, prompt + answer])
         boundary = len(_bos(tokenizer)) + _common_prefix(*ids)
-        return (_bos(tokenizer) + ids[1])[:boundary], output
-    messages = _messages(record, cfg, where)
+        return (_bos(tokenizer) + ids[1])[:boundary], answer
+    messages = fields.conversation(record, cfg, where)
     turns = [i for i, message in enumerate(messages) if message["role"] == "assistant"]
     if not turns:
         raise DataError(f"{where}: the conversation has no assistant turn to use as the expected answer")
@@ -267,13 +258,20 @@ def _prompt(record: dict[str, Any], cfg: DataSection, tokenizer: Any, where: str
 # --------------------------------------------------------------------------- prompts for generation
 
 
+def prompt_style(fmt: str | None) -> str | None:
+    """How a model trained on ``fmt`` data is prompted: chat (chat, sharegpt), alpaca, or None (raw text:
+    text and prompt_completion data, whose prompts are used as they are)."""
+    return "chat" if fmt in CHAT_LIKE else "alpaca" if fmt == "alpaca" else None
+
+
 def generation_prompt(tokenizer: Any, fmt: str | None, messages: list[dict[str, str]]) -> list[int]:
     """Token ids of the prompt a model trained on ``fmt`` data expects before its answer.
 
     chat: the conversation through the tokenizer's chat template with the generation prompt, as
-    training rendered it; alpaca: the last message as the Alpaca instruction; otherwise (text data,
-    ``--raw``): the last message as it is, after BOS.
+    training rendered it; alpaca: the last message as the Alpaca instruction; otherwise (text and
+    plain prompt_completion data, ``--raw``): the last message as it is, after BOS.
     """
+    fmt = prompt_style(fmt)
     if fmt == "chat":
         return _tokenize(tokenizer, [_render(tokenizer, messages, True, "the prompt")])[0]
     text = messages[-1]["content"]

@@ -24,7 +24,7 @@ def template_text(value: str) -> str:
 
 
 def set_chat_template(tokenizer: Any, cfg: DataSection) -> str | None:
-    """Give the tokenizer ``data.chat_template``; for chat data without a template, the shipped plain one.
+    """Give the tokenizer ``data.chat_template``; for chat (or ShareGPT) data without one, the shipped plain one.
 
     Returns a line saying what was chosen (None when the tokenizer's own template is used). The template
     is saved with the tokenizer in ``final/``, so generation renders prompts exactly as training did.
@@ -32,7 +32,7 @@ def set_chat_template(tokenizer: Any, cfg: DataSection) -> str | None:
     if cfg.chat_template:
         tokenizer.chat_template = template_text(cfg.chat_template)
         return f"chat template: {cfg.chat_template}"
-    if cfg.format == "chat" and not getattr(tokenizer, "chat_template", None):
+    if cfg.format in ("chat", "sharegpt") and not getattr(tokenizer, "chat_template", None):
         tokenizer.chat_template = template_text("plain")
         return "the tokenizer has no chat template: using the shipped plain one (data.chat_template chooses another)"
     return None

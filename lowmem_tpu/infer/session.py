@@ -88,10 +88,9 @@ class Session:
     @property
     def prompt_format(self) -> str | None:
         """chat, alpaca or None (raw)."""
-        if self.options.raw:
-            return None
-        fmt = self.trained.data_format
-        return fmt if fmt in ("chat", "alpaca") else None
+        from lowmem_tpu.data.formats import prompt_style
+
+        return None if self.options.raw else prompt_style(self.trained.data_format)
 
     def _ids(self, messages: list[dict[str, str]]) -> list[int]:
         from lowmem_tpu.data import generation_prompt
