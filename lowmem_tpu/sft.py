@@ -173,6 +173,9 @@ def _run_sft(recipe: Recipe, runtime: Any, overwrite: bool, force_resume: bool, 
     if not hosts.is_main():
         return SftRun(metrics, final, job.trainer, job.names)
     write_json(final / "metrics.json", metrics)
+    from lowmem_tpu.train.plot import plot_finished_run
+
+    say(plot_finished_run(out, final))  # final/loss.png; a failed picture is one line, never a failed run
     print_summary(metrics, final)
     if recipe.hub.push:
         from lowmem_tpu.publish.hub import push_after_training

@@ -1,7 +1,7 @@
 """The ``lowmem-tpu`` command line: parse, load the recipe, call one library function.
 
 ``common`` holds the typer app and what every command shares; each other module registers its
-commands on it, in the order ``--help`` lists them: ``train`` (validate, show, sft, memory,
+commands on it, in the order ``--help`` lists them: ``train`` (validate, show, sft, plot, memory,
 compare), ``use`` (generate, chat, eval), ``publish`` (export, merge, push) and ``tools`` (recipes, doctor).
 """
 

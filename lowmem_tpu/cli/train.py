@@ -1,4 +1,4 @@
-"""Commands around one recipe: ``validate``, ``show``, ``sft``, ``memory``, ``compare``."""
+"""Commands around one recipe: ``validate``, ``show``, ``sft``, ``plot`` (its loss curve), ``memory``, ``compare``."""
 
 from __future__ import annotations
 
@@ -78,6 +78,37 @@ def sft(
         )
     if run.stopped in ("SIGTERM", "SIGINT"):
         raise typer.Exit(143 if run.stopped == "SIGTERM" else 130)
+
+
+@app.command()
+def plot(
+    run_dir: Annotated[
+        Path,
+        typer.Argument(
+            help="A run's output_dir (where metrics.jsonl is written as it trains), or its final/ or a checkpoint.",
+            show_default=False,
+        ),
+    ],
+    out: Annotated[
+        Path | None, typer.Option("--out", help="Where the PNG goes (default: RUN_DIR/loss.png).", show_default=False)
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the path and the summary as one JSON object.")] = False,
+) -> None:
+    """Draw a run's loss curve (loss, eval loss, learning rate, tokens/s against the step), even while it trains."""
+    from lowmem_tpu.train.plot import LOSS_PNG, describe, draw, find_run, read_log, summarize
+
+    try:
+        found = find_run(run_dir)
+        path = draw(found, out or found / LOSS_PNG)
+    except UserError as err:
+        fail(err)
+    summary = summarize(read_log(found))
+    if as_json:
+        import json
+
+        typer.echo(json.dumps({"path": str(path), "run_dir": str(found), **summary}))
+        return
+    typer.echo(f"wrote {path}: {describe(summary)}")
 
 
 @app.command()
