@@ -2,11 +2,12 @@
 
 ``common`` holds the typer app and what every command shares; each other module registers its
 commands on it, in the order ``--help`` lists them: ``train`` (validate, show, sft, plot, memory,
-compare), ``use`` (generate, chat, eval), ``publish`` (export, merge, push) and ``tools`` (recipes, doctor).
+compare), ``preview`` (data), ``use`` (generate, chat, eval), ``publish`` (export, merge, push) and
+``tools`` (recipes, doctor).
 """
 
 # isort: off
-from lowmem_tpu.cli import train, use, publish, tools  # noqa: F401  (registers the commands, in this order)
+from lowmem_tpu.cli import train, preview, use, publish, tools  # noqa: F401  (registers the commands, in this order)
 from lowmem_tpu.cli.common import app
 
 # isort: on

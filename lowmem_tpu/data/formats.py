@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+import lowmem_tpu.data.fields as fields
 from lowmem_tpu.config import DataSection
-from lowmem_tpu.data import fields
 from lowmem_tpu.data.fields import CHAT_LIKE, require_columns
 from lowmem_tpu.data.loading import DataError
 

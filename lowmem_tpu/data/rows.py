@@ -66,8 +66,10 @@ def build_dataset(
     With ``cache_dir`` the rows are kept on disk, keyed by the records, the tokenizer and the settings,
     and read back instead of tokenizing again.
 
-    Returns the dataset and stats: samples (records read), rows, truncated, dropped, longest (tokens of
-    the longest sample), tokens (real tokens in the rows), trained_tokens (labels that are not -100),
+    Returns the dataset and stats: samples (records read), rows, truncated, dropped (dropped_too_long:
+    by ``too_long: drop``; dropped_untrained: with no trained token, e.g. a conversation without an
+    assistant turn or an answer cut off), longest (tokens of the longest sample), lengths (percentiles),
+    tokens (real tokens in the rows), trained_tokens (labels that are not -100),
     and cached (whether the rows came from the cache); with ``digest`` also rows_sha256, a hash of every
     row that the hosts of a pod slice compare (1.4 s for 51,760 rows of 1024 tokens, so only when asked).
     """
@@ -144,8 +146,11 @@ def _fit(samples: list[Sample], cfg: DataSection) -> tuple[list[Sample], dict[st
         samples = [sample for sample in samples if len(sample[0]) <= limit]
     else:
         samples = [(ids[:limit], labels[:limit]) for ids, labels in samples]
-    kept = [sample for sample in samples if (sample[1] != IGNORE_INDEX).any()]
+    trained = [bool((labels != IGNORE_INDEX).any()) for _, labels in samples]
+    kept = [sample for sample, keep in zip(samples, trained, strict=True) if keep]
     untrained = len(samples) - len(kept)
+    # Of the kept samples: one truncated to nothing trained counts as dropped. (With drop, none is truncated.)
+    truncated = 0 if dropped_long else sum(k and n > limit for k, n in zip(trained, lengths, strict=True))
     if not kept:
         reasons = [f"{untrained} had no trained token (no assistant turn, or the answer was truncated away)"]
         if dropped_long:
@@ -154,8 +159,33 @@ def _fit(samples: list[Sample], cfg: DataSection) -> tuple[list[Sample], dict[st
             f"no samples left to train on: of {len(lengths)}, {' and '.join(reasons)}; "
             "check the data or raise data.max_length"
         )
-    counts = {"truncated": too_long - dropped_long, "dropped": dropped_long + untrained, "longest": max(lengths)}
+    counts = {
+        "truncated": truncated,
+        "dropped": dropped_long + untrained,
+        "dropped_too_long": dropped_long,
+        "dropped_untrained": untrained,
+        "longest": max(lengths),
+        "lengths": length_percentiles(lengths),
+    }
     return kept, counts
+
+
+def describe_cuts(stats: dict[str, Any]) -> str:
+    """ "2 truncated, 3 dropped (1 too long, 2 with nothing to train)": what became of the samples that did not fit."""
+    why = [
+        f"{stats[key]} {reason}"
+        for key, reason in (("dropped_too_long", "too long"), ("dropped_untrained", "with nothing to train"))
+        if stats.get(key)
+    ]
+    return f"{stats['truncated']} truncated, {stats['dropped']} dropped" + (f" ({', '.join(why)})" if why else "")
+
+
+def length_percentiles(lengths: list[int]) -> dict[str, int]:
+    """Tokens per sample before cutting: the median, 90th and 99th percentiles and the longest."""
+    import numpy as np
+
+    p50, p90, p99 = (int(np.percentile(lengths, q, method="higher")) for q in (50, 90, 99))
+    return {"p50": p50, "p90": p90, "p99": p99, "max": max(lengths)}
 
 
 def _pad(samples: list[Sample], length: int, pad_id: int) -> dict[str, np.ndarray]:

@@ -1,0 +1,79 @@
+"""``lowmem-tpu data``: the first records as the model will see them, before paying for a run.
+
+Each record is formatted and tokenized exactly as training does (``formats.encode_records``), then
+decoded back in spans: the tokens that are trained and the ones that are masked. The whole data set
+goes through ``rows.build_dataset`` for the counts (truncated, dropped, lengths), into the run's own
+tokenization cache, so the ``sft`` that follows reads the rows instead of tokenizing them again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lowmem_tpu.config import DataSection
+from lowmem_tpu.data.formats import IGNORE_INDEX, check_tokenizer, encode_records, require_columns
+from lowmem_tpu.data.rows import build_dataset
+from lowmem_tpu.data.splits import select_records
+
+
+@dataclass
+class Shown:
+    """One record as the model sees it: its text in spans, trained or masked, and its fate."""
+
+    record: int
+    tokens: int
+    trained: int
+    fate: str  # fits, truncated, dropped: too long, dropped: nothing to train
+    spans: list[tuple[bool, str]] = field(default_factory=list)  # (trained, text), in order
+
+    @property
+    def text(self) -> str:
+        return "".join(text for _, text in self.spans)
+
+
+def first_records(cfg: DataSection, tokenizer: Any, rows: int) -> tuple[str, list[dict[str, Any]]]:
+    """The training data's source and its first ``rows`` records shown (``Shown`` as dicts, with the text)."""
+    check_tokenizer(tokenizer, cfg)
+    records, source = select_records(cfg, "train")
+    require_columns(records, cfg, source)
+    first = records.select(range(min(rows, len(records))))
+    samples = encode_records(first, cfg, tokenizer, source)
+    shown = [_show(i, ids, labels, cfg, tokenizer) for i, (ids, labels) in enumerate(samples, 1)]
+    return source, [asdict(s) | {"text": s.text} for s in shown]
+
+
+def counts(cfg: DataSection, tokenizer: Any, cache_dir: Path | None) -> dict[str, Any]:
+    """The stats of the whole training data's rows (``rows.build_dataset``), kept in ``cache_dir``."""
+    return build_dataset(cfg, tokenizer, cache_dir=cache_dir)[1]
+
+
+def _show(index: int, ids: Any, labels: Any, cfg: DataSection, tokenizer: Any) -> Shown:
+    """A record's tokens as training keeps them (truncated ones cut at max_length) and what becomes of it."""
+    ids, labels = [int(t) for t in ids], [int(t) for t in labels]
+    length, limit = len(ids), cfg.max_length
+    if length > limit and cfg.too_long != "drop":
+        ids, labels = ids[:limit], labels[:limit]
+    trained = sum(label != IGNORE_INDEX for label in labels)
+    if length > limit and cfg.too_long == "drop":
+        fate = f"dropped: longer than max_length {limit}"
+    elif not trained:
+        fate = "dropped: nothing to train" + (" once truncated" if length > limit else "")
+    else:
+        fate = f"truncated: {length - limit} tokens cut" if length > limit else "fits"
+    return Shown(index, length, trained, fate, _spans(ids, labels, tokenizer))
+
+
+def _spans(ids: list[int], labels: list[int], tokenizer: Any) -> list[tuple[bool, str]]:
+    """The decoded text cut where training starts or stops: each span is the text its tokens add to the
+    decoded prefix, so a sentencepiece space or a byte-fallback character lands in the right span."""
+    spans: list[tuple[bool, str]] = []
+    done, start = "", 0
+    for end in range(1, len(ids) + 1):
+        if end < len(ids) and (labels[end] != IGNORE_INDEX) == (labels[start] != IGNORE_INDEX):
+            continue
+        text = tokenizer.decode(ids[:end], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        spans.append((labels[start] != IGNORE_INDEX, text[len(done) :]))
+        done, start = text, end
+    return spans
