@@ -216,6 +216,27 @@ def test_lora_on_the_bf16_base_through_the_shipped_recipe(model_dir, alpaca, tmp
     saved = AutoTokenizer.from_pretrained(run.final_dir, use_fast=False)
     assert saved.padding_side == "left" and "<|im_start|>" in saved.chat_template  # ready for generation
 
+    # Drop-in outputs: final/ and the merged directory hold the base's tokenizer files beside the converted one.
+    from lowmem_tpu.publish.merge import merge_adapter
+
+    merged = tmp_path / "merged"
+    merge_adapter(run.final_dir, merged, dtype="float32")
+    text = "### Response:\nParis is the capital of France. 1234"
+    expected = tokenizer_of(model_dir)(text)["input_ids"]
+    for directory in (run.final_dir, merged):
+        names = {p.name for p in directory.iterdir()}
+        assert {"tokenizer.model", "special_tokens_map.json", "tokenizer.json", "chat_template.jinja"} <= names
+        assert (directory / "tokenizer.model").read_bytes() == (model_dir / "tokenizer.model").read_bytes()
+        special = json.loads((directory / "special_tokens_map.json").read_text())
+        assert special == {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<unk>"}
+        for fast in (True, False):
+            loaded = AutoTokenizer.from_pretrained(directory, use_fast=fast)
+            assert loaded(text)["input_ids"] == expected and loaded.pad_token == "<unk>", (directory, fast)
+    import sentencepiece
+
+    pieces = sentencepiece.SentencePieceProcessor(model_file=str(merged / "tokenizer.model"))
+    assert [1, *pieces.encode(text)] == expected  # what a sentencepiece reader (llama.cpp's converter) gets
+
 
 @pytest.fixture(scope="module")
 def full_runs(model_dir, alpaca, tmp_path_factory):

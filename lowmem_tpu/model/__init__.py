@@ -15,7 +15,7 @@ from lowmem_tpu.model.loading import (
     torch_dtype,
 )
 from lowmem_tpu.model.lora import apply_lora
-from lowmem_tpu.model.tokenizer import align_special_tokens, check_vocabulary, load_tokenizer
+from lowmem_tpu.model.tokenizer import align_special_tokens, check_vocabulary, load_tokenizer, save_tokenizer
 
 __all__ = [
     "align_special_tokens",
@@ -31,6 +31,7 @@ __all__ = [
     "meta_model",
     "quantize_base",
     "resolve_source",
+    "save_tokenizer",
     "shipped_config_path",
     "torch_dtype",
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from lowmem_tpu.config import ModelSection
@@ -78,3 +79,24 @@ def align_special_tokens(model: Any, tokenizer: Any) -> None:
         if config is not None:
             config.pad_token_id = tokenizer.pad_token_id
             config.eos_token_id = tokenizer.eos_token_id
+
+
+def save_tokenizer(tokenizer: Any, directory: Path) -> None:
+    """``save_pretrained``, plus the files transformers 5 no longer writes that other tools read.
+
+    transformers 5 saves tokenizer.json, tokenizer_config.json and chat_template.jinja only. The base's
+    sentencepiece ``tokenizer.model`` (read by slow tokenizers, sentencepiece itself and llama.cpp's
+    converter) is copied as it is, and ``special_tokens_map.json`` is written from the tokenizer's own
+    special tokens (pad included), so the directory loads wherever the base does.
+    """
+    import json
+    import shutil
+
+    directory = Path(directory)
+    tokenizer.save_pretrained(directory)
+    source = Path(getattr(tokenizer, "vocab_file", None) or "")
+    if source.suffix == ".model" and source.is_file() and not (directory / source.name).exists():
+        shutil.copy2(source, directory / source.name)
+    special = directory / "special_tokens_map.json"
+    if not special.exists():
+        special.write_text(json.dumps(dict(tokenizer.special_tokens_map), indent=2) + "\n")
