@@ -72,7 +72,10 @@ def test_text_trains_every_token_and_ends_with_eos(tok, tmp_path):
         "rows": 2,
         "truncated": 0,
         "dropped": 0,
+        "dropped_too_long": 0,
+        "dropped_untrained": 0,
         "longest": 7,
+        "lengths": {"p50": 7, "p90": 7, "p99": 7, "max": 7},
         "tokens": 11,
         "trained_tokens": 11,
         "cached": False,
@@ -201,7 +204,8 @@ def test_truncation_that_cuts_off_the_answer_drops_the_row(tok, tmp_path):
     path = write_jsonl(tmp_path / "c.jsonl", [chat("reverse abcdefgh", "hgfedcba"), chat("a", "b")])
     cfg = DataSection(path=str(path), max_length=12)  # the first prompt alone is 1 + 16 + 1 tokens
     dataset, stats = build_dataset(cfg, tok)
-    assert (stats["samples"], stats["rows"], stats["truncated"], stats["dropped"]) == (2, 1, 1, 1)
+    assert (stats["samples"], stats["rows"], stats["truncated"], stats["dropped"]) == (2, 1, 0, 1)
+    assert stats["dropped_untrained"] == 1  # counted once: dropped, not also truncated
     assert trained_text(tok, dataset[0]) == "b</s>"
 
 
@@ -318,10 +322,23 @@ def test_missing_field_lists_the_columns(tok, tmp_path):
         build_dataset(DataSection(path=str(path), format="alpaca"), tok)
 
 
-def test_bad_values_name_the_record(tok, tmp_path):
-    path = write_jsonl(tmp_path / "c.jsonl", [chat("a", "b"), {"messages": "just text"}])
-    with pytest.raises(DataError, match=r"record 2: column 'messages' must be a non-empty list"):
-        build_dataset(DataSection(path=str(path)), tok)
+@pytest.mark.parametrize(
+    ("fmt", "second", "message"),
+    [
+        ("chat", {"messages": "just text"}, r"column 'messages' must be a non-empty list.*not str 'just text'"),
+        ("chat", {"messages": []}, r"must be a non-empty list of \{role, content\} messages, not list \[\]"),
+        ("chat", {"messages": [{"role": "user", "content": None}]}, r"a user message has no string content"),
+        ("chat", {"messages": [{"content": "hi"}]}, r"messages; got dict \{'content': 'hi'\}"),
+        ("alpaca", {"instruction": "c", "output": 5}, r"column 'output' \(alpaca output\) must be a string, not int 5"),
+        ("alpaca", {"instruction": ["c"], "output": "d"}, r"'instruction' .* must be a string, not list \['c'\]"),
+        ("alpaca", {"instruction": "c"}, r"column 'output' \(alpaca output\) must be a string, not missing or null"),
+    ],
+)
+def test_bad_values_name_the_file_the_record_and_the_fix(tok, tmp_path, fmt, second, message):
+    first = chat("a", "b") if fmt == "chat" else {"instruction": "a", "output": "b"}
+    path = write_jsonl(tmp_path / "bad.jsonl", [first, second])
+    with pytest.raises(DataError, match=rf"^{path}: record 2: .*{message}.*; fix or remove that record$"):
+        build_dataset(DataSection(path=str(path), format=fmt), tok)
 
 
 def test_nothing_to_train(tok, tmp_path):

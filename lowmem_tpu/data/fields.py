@@ -31,6 +31,7 @@ SHAREGPT_ROLES = {
     "tool": "tool",
 }
 CHAT_LIKE = ("chat", "sharegpt")
+FIX = "fix or remove that record"
 
 
 def column(cfg: DataSection, field: str) -> str:
@@ -79,7 +80,7 @@ def string(record: dict[str, Any], cfg: DataSection, field: str, where: str) -> 
     if value is None and (cfg.format, field) in OPTIONAL:
         return ""
     if not isinstance(value, str):
-        raise DataError(f"{where}: column {name!r} ({cfg.format} {field}) must be a string, not {_show(value)}")
+        raise DataError(f"{where}: column {name!r} ({cfg.format} {field}) must be a string, not {_show(value)}; {FIX}")
     return value
 
 
@@ -97,25 +98,25 @@ def messages(record: dict[str, Any], cfg: DataSection, field: str, where: str) -
     if cfg.format == "sharegpt":
         problem = f"{where}: column {name!r} must be a non-empty list of {{from, value}} turns"
     if not isinstance(value, list) or not value:
-        raise DataError(f"{problem}, not {_show(value)}")
+        raise DataError(f"{problem}, not {_show(value)}; {FIX}")
     return [_message(turn, problem) for turn in value]
 
 
 def _message(turn: Any, problem: str) -> dict[str, str]:
     if not isinstance(turn, dict):
-        raise DataError(f"{problem}; got {_show(turn)}")
+        raise DataError(f"{problem}; got {_show(turn)}; {FIX}")
     turn = {key: item for key, item in turn.items() if item is not None}  # datasets fills absent keys with None
     if "from" in turn:
         speaker = turn["from"]
         role = SHAREGPT_ROLES.get(speaker.lower()) if isinstance(speaker, str) else None
         if role is None:
             known = ", ".join(sorted(SHAREGPT_ROLES))
-            raise DataError(f"{problem}; unknown speaker {speaker!r} (known: {known})")
+            raise DataError(f"{problem}; unknown speaker {speaker!r} (known: {known}); {FIX}")
         turn = {"role": role, "content": turn.get("value")}
     if not isinstance(turn.get("role"), str):
-        raise DataError(f"{problem}; got {_show(turn)}")
+        raise DataError(f"{problem}; got {_show(turn)}; {FIX}")
     if not isinstance(turn.get("content"), str):
-        raise DataError(f"{problem}; a {turn['role']} message has no string content")
+        raise DataError(f"{problem}; a {turn['role']} message has no string content; {FIX}")
     return turn
 
 
