@@ -7,7 +7,9 @@ to look like it: instructions of ~15 words, an input on 40% of them, outputs of 
 builds the Open-Llama-shaped tokenizer (tests/open_llama_like.py: sentencepiece ``tokenizer.model``,
 loaded slow unless ``--fast``), then runs ``data.build_dataset`` twice with a cache directory.
 Prints seconds for each pass, the cache's size and the peak RSS (what each host of a pod slice holds:
-every host builds the same rows), and writes ``outputs/bench_data/bench_data.json``.
+every host builds the same rows), then times ``lowmem-tpu data`` (the preview command, a fresh process)
+on the same file: when its first rows appear and when its counts over every record do, into a fresh
+output_dir and then again from its cache. Writes ``outputs/bench_data/bench_data.json``.
 """
 
 from __future__ import annotations
@@ -91,7 +93,33 @@ def main() -> None:
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     }
     print(f"cache {result['cache_bytes'] / 2**30:.2f} GiB, peak RSS {result['peak_rss_bytes'] / 2**30:.2f} GiB")
+    result["preview_seconds"] = preview_times(model, data, args.max_length)
     (OUT / "bench_data.json").write_text(json.dumps(result, indent=2) + "\n")
+
+
+def preview_times(model: Path, data: Path, max_length: int) -> dict[str, dict[str, float]]:
+    """Seconds from the start of ``lowmem-tpu data`` to its first shown row and to its counts, twice."""
+    import shutil
+    import subprocess
+
+    run_dir = OUT / "preview_run"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    command = [sys.executable, "-m", "lowmem_tpu.cli", "data", "recipes/open_llama_lora.yaml", "--rows", "3"]
+    command += [f"model.name_or_path={model}", f"data.path={data}", "data.format=alpaca"]
+    command += [f"data.max_length={max_length}", f"output_dir={run_dir}"]
+    times = {}
+    for name in ("fresh", "cached"):
+        started, seen = time.perf_counter(), {}
+        with subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) as proc:
+            for line in proc.stdout:
+                key = "first_rows" if line.startswith("--- record 1") else "counts" if line.startswith("all ") else None
+                if key:
+                    seen[key] = round(time.perf_counter() - started, 1)
+        if proc.returncode or len(seen) != 2:
+            raise SystemExit(f"lowmem-tpu data failed ({proc.returncode}): {' '.join(command)}")
+        times[name] = seen
+        print(f"lowmem-tpu data ({name}): first rows after {seen['first_rows']} s, counts after {seen['counts']} s")
+    return times
 
 
 if __name__ == "__main__":

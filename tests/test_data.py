@@ -120,12 +120,12 @@ def test_chat_trains_only_assistant_turns(tok, tmp_path):
     dataset, stats = build_dataset(cfg, tok)
     check_static(dataset, cfg)
     row = dataset[0]
-    # <|user|> h i <|assistant|> a b </s> <|user|> y o <|assistant|> c d </s>
-    assert real_text(tok, row) == "<|user|>hi<|assistant|>ab</s><|user|>yo<|assistant|>cd</s>"
+    # <s> <|user|> h i <|assistant|> a b </s> <|user|> y o <|assistant|> c d </s>: BOS leads, as in pretraining
+    assert real_text(tok, row) == "<s><|user|>hi<|assistant|>ab</s><|user|>yo<|assistant|>cd</s>"
     trained = [i for i, label in enumerate(row["labels"]) if label != -100]
-    assert trained == [4, 5, 6, 11, 12, 13]
+    assert trained == [5, 6, 7, 12, 13, 14]
     assert tok.decode([row["labels"][i] for i in trained]) == "ab</s>cd</s>"
-    assert stats["tokens"] == 14 and stats["trained_tokens"] == 6
+    assert stats["tokens"] == 15 and stats["trained_tokens"] == 6
 
     unmasked, _ = build_dataset(cfg.model_copy(update={"mask_prompt": False}), tok)
     assert unmasked[0]["labels"][:14] == row["input_ids"][:14]
@@ -162,7 +162,7 @@ def test_chat_template_not_prefix_stable(tmp_path):
     with pytest.raises(DataError, match=r"prefix-stable.*data.mask_prompt: false"):
         build_dataset(cfg, tokenizer)
     dataset, _ = build_dataset(cfg.model_copy(update={"mask_prompt": False}), tokenizer)
-    assert trained_text(tokenizer, dataset[0]) == "2<|user|>a<|assistant|>b</s>"
+    assert trained_text(tokenizer, dataset[0]) == "<s>2<|user|>a<|assistant|>b</s>"
 
 
 def test_no_pad_token_is_an_error(tmp_path):
@@ -357,7 +357,7 @@ def test_exact_match_prompts(tok, tmp_path):
     assert len(prompts) == 3
     ids, answer = prompts[0]
     assert answer == first[1]["content"]
-    assert tok.decode(ids) == f"<|user|>{first[0]['content']}<|assistant|>"
+    assert tok.decode(ids) == f"<s><|user|>{first[0]['content']}<|assistant|>"
 
     path = write_jsonl(tmp_path / "a.jsonl", [{"instruction": "reverse ab", "output": "ba"}])
     alpaca = DataSection(path=str(path), format="alpaca")

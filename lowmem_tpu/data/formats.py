@@ -62,6 +62,13 @@ def _bos(tokenizer: Any) -> list[int]:
     return [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
 
 
+def _led_by_bos(tokenizer: Any, ids: list[int]) -> list[int]:
+    """A rendered conversation's ids starting with BOS, as every text the base was pretrained on did
+    (templates such as chatml and the shipped plain one do not write it; those that do keep theirs)."""
+    bos = _bos(tokenizer)
+    return ids if not bos or ids[:1] == bos else bos + ids
+
+
 def alpaca_prompt(instruction: str, input: str = "") -> str:
     """The fixed Alpaca-style prompt (with or without an input) that precedes the output."""
     template = ALPACA_PROMPT if input.strip() else ALPACA_PROMPT_NO_INPUT
@@ -155,7 +162,7 @@ def _chat_texts(record: dict[str, Any], cfg: DataSection, tokenizer: Any, where:
 
 
 def _chat_sample(ids: list[list[int]], cfg: DataSection, tokenizer: Any, where: str) -> Sample:
-    tokens, *prefixes = ids
+    tokens, *prefixes = (_led_by_bos(tokenizer, part) for part in ids)
     if not cfg.mask_prompt:
         return tokens, list(tokens)
     if any(tokens[: len(prefix)] != prefix for prefix in prefixes):
@@ -242,7 +249,8 @@ def _prompt(record: dict[str, Any], cfg: DataSection, tokenizer: Any, where: str
         prompt, answer = (_alpaca_fields if cfg.format == "alpaca" else _prompt_completion)(record, cfg, where)
         if isinstance(prompt, list):
             _need_template(tokenizer, where)
-            return _tokenize(tokenizer, [_render(tokenizer, prompt, True, where)])[0], answer[-1]["content"]
+            ids = _tokenize(tokenizer, [_render(tokenizer, prompt, True, where)])[0]
+            return _led_by_bos(tokenizer, ids), answer[-1]["content"]
         ids = _tokenize(tokenizer, [prompt, prompt + answer])
         boundary = len(_bos(tokenizer)) + _common_prefix(*ids)
         return (_bos(tokenizer) + ids[1])[:boundary], answer
@@ -252,7 +260,7 @@ def _prompt(record: dict[str, Any], cfg: DataSection, tokenizer: Any, where: str
         raise DataError(f"{where}: the conversation has no assistant turn to use as the expected answer")
     last = turns[-1]
     text = _render(tokenizer, messages[:last], True, where)
-    return _tokenize(tokenizer, [text])[0], messages[last]["content"]
+    return _led_by_bos(tokenizer, _tokenize(tokenizer, [text])[0]), messages[last]["content"]
 
 
 # --------------------------------------------------------------------------- prompts for generation
@@ -273,6 +281,6 @@ def generation_prompt(tokenizer: Any, fmt: str | None, messages: list[dict[str, 
     """
     fmt = prompt_style(fmt)
     if fmt == "chat":
-        return _tokenize(tokenizer, [_render(tokenizer, messages, True, "the prompt")])[0]
+        return _led_by_bos(tokenizer, _tokenize(tokenizer, [_render(tokenizer, messages, True, "the prompt")])[0])
     text = messages[-1]["content"]
     return _bos(tokenizer) + _tokenize(tokenizer, [alpaca_prompt(text) if fmt == "alpaca" else text])[0]
