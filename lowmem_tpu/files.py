@@ -80,6 +80,37 @@ def holding(directory: Path, field: str) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+@contextlib.contextmanager
+def holding_output(directory: Path, field: str) -> Iterator[None]:
+    """:func:`holding` for a command's output that may lie inside (or around) a run's ``output_dir``.
+
+    Besides ``directory`` itself, every directory above it (``--out run/final``, ``--out run/x/y``) and below
+    it (``--force`` replaces what is there) that holds a lock file is locked too: a live run or another
+    writer there is refused by name, and a run started there meanwhile is refused. The lock file this puts
+    in ``directory`` is removed at the end (a written output is not a run's directory), and so is
+    ``directory`` if this made it and nothing was written.
+    """
+    if directory.exists() and not directory.is_dir():
+        raise UserError(f"{field} {directory} is a file; give a directory")
+    directory = directory.expanduser().resolve()
+    existed, had_lock = directory.exists(), (directory / LOCK).exists()
+    with contextlib.ExitStack() as stack:
+        for outer in reversed(directory.parents):  # outermost first
+            if (outer / LOCK).is_file():
+                stack.enter_context(holding(outer, field))
+        inner = sorted(p.parent for p in directory.rglob(LOCK) if p.parent != directory) if existed else []
+        for path in inner:
+            stack.enter_context(holding(path, field))
+        stack.enter_context(holding(directory, field))
+        try:
+            yield
+        finally:
+            if not had_lock and (directory / LOCK).exists():
+                (directory / LOCK).unlink()  # still held: nobody else can have taken it meanwhile
+            if not existed and directory.is_dir() and not any(directory.iterdir()):
+                directory.rmdir()
+
+
 def write_manifest(directory: Path) -> None:
     """Record every file under ``directory`` (its size, and its SHA-256 up to 64 MiB) in ``MANIFEST.json``.
 

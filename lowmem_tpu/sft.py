@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lowmem_tpu import hosts
+from lowmem_tpu import faults, hosts
 from lowmem_tpu.config import Recipe, micro_batch_size
 from lowmem_tpu.errors import UserError
 
@@ -165,14 +165,10 @@ def _run_sft(recipe: Recipe, runtime: Any, overwrite: bool, force_resume: bool, 
             f"note: the compile cache in {runtime.compile_cache_dir} could not be read back on the "
             f"{runtime.platform} backend, so everything was compiled again (on a TPU it is reused)"
         )
-    final = _save(recipe, job, tokenizer, out, metrics)
+    final = _save(recipe, job, tokenizer, out, metrics, started)
     hosts.leave()  # the hosts' work together ends with final/; host 0 alone reports and pushes
-    metrics["time"]["total_seconds"] = round(time.perf_counter() - started, 1)
-    from lowmem_tpu.files import write_json
-
     if not hosts.is_main():
         return SftRun(metrics, final, job.trainer, job.names)
-    write_json(final / "metrics.json", metrics)
     from lowmem_tpu.train.plot import plot_finished_run
 
     say(plot_finished_run(out, final))  # final/loss.png; a failed picture is one line, never a failed run
@@ -334,6 +330,7 @@ def _base_reference(recipe: Recipe, model, tokenizer, out: Path) -> str:
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
         check_room(out, weights + 2**20, "the random-init base saved beside the adapter")
         model.save_pretrained(base)
+        faults.point("base")
         tokenizer.save_pretrained(base)
     return str(base.resolve())
 
@@ -367,10 +364,10 @@ def _evaluate(job: Job, prompts, label: str) -> dict[str, Any]:
     return result
 
 
-def _save(recipe: Recipe, job: Job, tokenizer, out: Path, metrics: dict[str, Any]) -> Path:
+def _save(recipe: Recipe, job: Job, tokenizer, out: Path, metrics: dict[str, Any], started: float) -> Path:
     """Write ``final/`` on host 0; the weights' host copies are gathered on every host (a collective)."""
     from lowmem_tpu.console import say
-    from lowmem_tpu.files import fresh_partial, publish, write_manifest
+    from lowmem_tpu.files import fresh_partial, publish, write_json, write_manifest
     from lowmem_tpu.publish.export import check_adapter, save_adapter, save_full_model
 
     final = out / "final"
@@ -382,12 +379,17 @@ def _save(recipe: Recipe, job: Job, tokenizer, out: Path, metrics: dict[str, Any
             check_adapter(partial, sorted(state))
         else:
             save_full_model(job.model, state, partial)
+        faults.point("final-weights")
         # Saved for generation: left padding, so batched prompts end where the new tokens start.
         tokenizer.padding_side = tokenizer.init_kwargs["padding_side"] = "left"
         tokenizer.save_pretrained(partial)
         tokenizer.padding_side = tokenizer.init_kwargs["padding_side"] = "right"
         (partial / "recipe.yaml").write_text(recipe.to_yaml())
+        metrics["time"]["total_seconds"] = round(time.perf_counter() - started, 1)
+        # Inside final/ from its first moment: a run killed once final/ exists needs nothing more from it.
+        write_json(partial / "metrics.json", metrics)
         write_manifest(partial)
+        faults.point("final-publish")
         publish(partial, final)
     hosts.barrier()
     say(f"saved {'adapter' if recipe.lora.enabled else 'model'} to {final}")

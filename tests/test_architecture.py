@@ -24,7 +24,7 @@ MAY_IMPORT = {
     "doctor": {"config", "xla"},
     "infer": {"config", "model", "data", "xla", "train", "publish", "evaluate", "infer"},
 }
-BASICS = {"errors", "files", "console", "hosts"}
+BASICS = {"errors", "files", "console", "hosts", "faults"}
 
 
 def modules() -> dict[str, Path]:

@@ -165,3 +165,50 @@ def test_refuses_an_adapter_with_nan(tiny, tmp_path):
     with pytest.raises(UserError, match=r"hold NaN or Inf .*the adapter is broken"):
         merge_adapter(broken, tmp_path / "out")
     assert_untouched(tmp_path / "out")
+
+
+def test_merge_refuses_a_live_runs_directory_and_another_merges_out_and_holds_its_own(tiny, tmp_path):
+    """``--out`` a live run's output_dir, its final/ or below it, or where another merge writes: exit 2 naming
+    the process; a killed holder blocks nothing; a merge holds its ``--out`` while it writes."""
+    import signal
+    import time
+
+    from lowmem_tpu.files import LOCK
+
+    _, adapter = tiny
+    run, out = (tmp_path / "run").resolve(), (tmp_path / "merged").resolve()
+
+    def hold(directory: Path, how: str) -> subprocess.Popen[str]:
+        code = f"from pathlib import Path\nfrom lowmem_tpu.files import {how}\n"
+        code += f"with {how}(Path({str(directory)!r}), 'x'):\n"
+        code += "    print('held', flush=True)\n    import time; time.sleep(600)\n"
+        holder = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+        assert holder.stdout.readline().strip() == "held"
+        return holder
+
+    live, other = hold(run, "holding"), hold(out, "holding_output")  # a training run (as sft holds it), a merge
+    try:
+        for target, holder, held in ((run, live, run), (run / "final", live, run), (out, other, out)):
+            refused = cli("merge", str(adapter), "--out", str(target))
+            assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-2000:]
+            assert f"--out: {held} is in use by lowmem-tpu (pid {holder.pid} on" in refused.stderr
+        assert [p.name for p in run.iterdir()] == [LOCK]  # nothing written into the live run's directory
+    finally:
+        for holder in (live, other):
+            holder.send_signal(signal.SIGKILL)
+            holder.wait()
+
+    # The killed merge left out/ holding its lock file alone: no content, no lock, nothing refused.
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, "-m", "lowmem_tpu.cli", "merge", str(adapter), "--out", str(out)]
+    merging = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen = False
+    while merging.poll() is None:
+        lock = out / LOCK
+        seen = seen or (lock.is_file() and f"pid {merging.pid} on" in lock.read_text())
+        time.sleep(0.05)
+    assert merging.returncode == 0, merging.stderr.read()[-2000:]
+    assert seen, "the merge never held its --out"
+    assert (out / "model.safetensors").is_file() and not (out / LOCK).exists()
+    into_run = cli("merge", str(adapter), "--out", str(run / "merged"))  # a finished run's directory
+    assert into_run.returncode == 0, into_run.stderr[-2000:]

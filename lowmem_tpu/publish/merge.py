@@ -139,6 +139,8 @@ def _looks_missing_path(source: str) -> bool:
 
 def check_out_dir(out: Path, protected: list[Path], force: bool) -> None:
     """Refuse an ``--out`` that holds something (unless forced) or that would overwrite the inputs."""
+    from lowmem_tpu.files import LOCK  # a lock file alone (ours, or a killed merge's) is no content
+
     target = out.expanduser().resolve()
     for path in protected:
         p = path.expanduser().resolve()
@@ -146,7 +148,7 @@ def check_out_dir(out: Path, protected: list[Path], force: bool) -> None:
             raise UserError(f"--out {out} overlaps {path}, which the merge reads; choose a separate directory")
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} is a file; give a directory")
-    if out.is_dir() and any(out.iterdir()) and not force:
+    if out.is_dir() and any(p.name != LOCK for p in out.iterdir()) and not force:
         raise UserError(f"--out {out} exists and is not empty; choose another directory or pass --force to replace it")
 
 
@@ -262,6 +264,13 @@ def merge_adapter(
     config = read_adapter_config(adapter_dir)
     choice = choose_base(config, adapter_dir, base, revision, force)
     protected = [adapter_dir] + ([Path(choice.source)] if Path(choice.source).expanduser().exists() else [])
+    from lowmem_tpu.files import holding_output
+
+    with holding_output(out, "--out"):  # one writer per directory; none into a live run's output_dir
+        return _merge_checked(adapter_dir, out, config, choice, protected, dtype, force, max_shard_size)
+
+
+def _merge_checked(adapter_dir, out, config, choice, protected, dtype, force, max_shard_size) -> MergeResult:
     check_out_dir(out, protected, force)
     started = time.perf_counter()
 

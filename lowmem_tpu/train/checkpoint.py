@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import yaml
 
+from lowmem_tpu import faults
 from lowmem_tpu.errors import UserError
 from lowmem_tpu.files import damage, publish, write_manifest
 from lowmem_tpu.train.master import MASTERS
@@ -174,8 +175,10 @@ def finish(partial: Path, keep_last: int) -> Path:
     """Record a written checkpoint's files, mark it complete, publish it, then prune the oldest complete ones."""
     write_manifest(partial)
     (partial / COMPLETE).write_text("ok\n")
+    faults.point("save-complete")
     final = partial.with_name(partial.name.removesuffix(".partial"))
     publish(partial, final)
+    faults.point("save-prune")
     for old in complete_checkpoints(final.parent.parent)[:-keep_last]:
         shutil.rmtree(old)
     return final

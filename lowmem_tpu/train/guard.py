@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-from lowmem_tpu import hosts
+from lowmem_tpu import faults, hosts
 from lowmem_tpu.errors import NonFiniteError
 
 
@@ -40,6 +40,7 @@ class GuardCallback(TrainerCallback):
             self.warn("interrupted: saving at the end of this step, then stopping (interrupt again to stop now)")
 
     def on_step_end(self, args, state, control, **kwargs) -> None:
+        faults.point("step")  # the fault matrix's kill at a step boundary (before this step's save)
         now = time.monotonic()
         self.slowest = max(self.slowest * 0.9, now - self.last_step_end)
         self.last_step_end = now

@@ -33,6 +33,8 @@ def run_metrics(
     steady = [entry for entry in logs if entry["step"] > warmup and "tokens_per_second" in entry]
     mean = lambda key: sum(e[key] for e in steady) / len(steady) if steady else None  # noqa: E731
     trainable, total = job.trainable, job.total
+    # A run resumed from its last checkpoint (killed while writing final/) trains no step: no loss, not 0.0.
+    mean_loss = result.training_loss if cb.compiles_by_step else None
     return {
         "platform": runtime.platform,
         "device_kind": runtime.kind,
@@ -48,8 +50,8 @@ def run_metrics(
         "train": {
             "losses": [{"step": e["step"], "loss": e["loss"]} for e in logs],
             "log": cb.logs,
-            "final_loss": logs[-1]["loss"] if logs else result.training_loss,
-            "mean_loss": result.training_loss,
+            "final_loss": logs[-1]["loss"] if logs else mean_loss,
+            "mean_loss": mean_loss,
             "steady_tokens_per_second": mean("tokens_per_second"),
             "steady_tokens_per_second_per_device": mean("tokens_per_second_per_device"),
             "steady_step_time": mean("step_time"),

@@ -1,4 +1,4 @@
-"""TRL's SFTTrainer on XLA SPMD FSDP, with the six traps of this stack handled.
+"""TRL's SFTTrainer on XLA SPMD FSDP, with the seven traps of this stack handled.
 
 1. transformers creates no optimizer on its XLA FSDP path: we create it from the wrapped model.
 2. TRL's fused LM head returns ``logits=None``: our ``shard_output`` shards what is there.
@@ -6,6 +6,8 @@
 4. ``adamw_torch_fused`` refuses XLA tensors: ``adamw_torch`` or Adafactor.
 5. ``save_model`` loses the adapter: ``export`` saves it from the unwrapped PEFT model.
 6. ``fsdp="full_shard"`` strings are deprecated: a list is passed.
+7. Resumed from a checkpoint at ``max_steps`` (a run killed while writing final/), transformers 5 trains one
+   step more before it checks the step count: nothing is trained (the fault matrix found it).
 
 Besides, the loss and its metrics stay on the device between logging steps: TRL's
 per-step ``.item()`` calls would cut every step's graph in two and sync the host.
@@ -22,7 +24,7 @@ import torch
 from transformers import TrainerCallback
 from trl import SFTConfig, SFTTrainer
 
-from lowmem_tpu import hosts
+from lowmem_tpu import faults, hosts
 from lowmem_tpu.config import Recipe
 from lowmem_tpu.config.schema import uses_master_weights
 from lowmem_tpu.data import collate
@@ -152,6 +154,13 @@ class XlaSFTTrainer(SFTTrainer):
             # MiB for 1 -> 8 micro-batches unrolled; flat with a cut after each backward).
             rt.sync()
         return loss
+
+    def _run_epoch(self, *args: Any, **kwargs: Any) -> None:
+        # Trap 7: transformers checks ``max_steps`` only after a step; a run resumed at (or past) it is done.
+        if self.state.global_step >= self.state.max_steps:
+            self.control.should_training_stop = True
+            return
+        super()._run_epoch(*args, **kwargs)
 
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> Any:
         batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
@@ -303,6 +312,7 @@ class XlaSFTTrainer(SFTTrainer):
                 "what was written of it is removed and the previous checkpoint is intact: free space there, "
                 "choose another output_dir, or lower train.keep_last, then run the same command to resume"
             ) from None
+        faults.point("save-state")
         if hosts.is_main():
             torch.save(groups, partial / ckpt.GROUPS)
             torch.save(self.lr_scheduler.state_dict(), partial / ckpt.SCHEDULER)
@@ -310,6 +320,7 @@ class XlaSFTTrainer(SFTTrainer):
             self.state.save_to_json(str(partial / "trainer_state.json"))
             (partial / ckpt.RECIPE).write_text(self.recipe.to_yaml())
             self._save_export_files(partial / ckpt.EXPORT)
+            faults.point("save-files")
             ckpt.finish(partial, self.recipe.train.keep_last)
         hosts.barrier()  # every host sees the finished checkpoint
         self.last_checkpoint = final
