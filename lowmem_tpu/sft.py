@@ -198,6 +198,7 @@ def _data(recipe: Recipe, tokenizer: Any, out: Path) -> tuple[Any, dict[str, Any
     """Training rows, held-out rows and exact-match prompts (tokenized once, then read from the cache)."""
     from lowmem_tpu import data
     from lowmem_tpu.console import say
+    from lowmem_tpu.data.rows import describe_cuts
 
     cache_dir = out / "data_cache"
     # Every host builds the same global batches (XLA keeps each host's rows): host 0 tokenizes and
@@ -212,7 +213,7 @@ def _data(recipe: Recipe, tokenizer: Any, out: Path) -> tuple[Any, dict[str, Any
     cached = ", from the cache" if stats["cached"] else ""
     say(
         f"data: {stats['samples']:,} samples -> {stats['rows']:,} rows of {recipe.data.max_length} tokens "
-        f"({stats['truncated']} truncated, {stats['dropped']} dropped, {stats['trained_tokens']:,} trained tokens"
+        f"({describe_cuts(stats)}, {stats['trained_tokens']:,} trained tokens"
         f"{cached})"
     )
     eval_ds = prompts = None
@@ -318,7 +319,7 @@ def _build(recipe: Recipe, runtime, tokenizer, train_ds, eval_ds, micro: int, ou
 
 def _base_reference(recipe: Recipe, model, tokenizer, out: Path) -> str:
     """Where the adapter's base lives; a random-init base is saved so the adapter can be reloaded."""
-    from lowmem_tpu.model import resolve_source
+    from lowmem_tpu.model import resolve_source, save_tokenizer
 
     if not recipe.model.random_init:
         source = resolve_source(recipe.model.name_or_path)
@@ -331,7 +332,7 @@ def _base_reference(recipe: Recipe, model, tokenizer, out: Path) -> str:
         check_room(out, weights + 2**20, "the random-init base saved beside the adapter")
         model.save_pretrained(base)
         faults.point("base")
-        tokenizer.save_pretrained(base)
+        save_tokenizer(tokenizer, base)
     return str(base.resolve())
 
 
@@ -368,6 +369,7 @@ def _save(recipe: Recipe, job: Job, tokenizer, out: Path, metrics: dict[str, Any
     """Write ``final/`` on host 0; the weights' host copies are gathered on every host (a collective)."""
     from lowmem_tpu.console import say
     from lowmem_tpu.files import fresh_partial, publish, write_json, write_manifest
+    from lowmem_tpu.model import save_tokenizer
     from lowmem_tpu.publish.export import check_adapter, save_adapter, save_full_model
 
     final = out / "final"
@@ -382,7 +384,7 @@ def _save(recipe: Recipe, job: Job, tokenizer, out: Path, metrics: dict[str, Any
         faults.point("final-weights")
         # Saved for generation: left padding, so batched prompts end where the new tokens start.
         tokenizer.padding_side = tokenizer.init_kwargs["padding_side"] = "left"
-        tokenizer.save_pretrained(partial)
+        save_tokenizer(tokenizer, partial)
         tokenizer.padding_side = tokenizer.init_kwargs["padding_side"] = "right"
         (partial / "recipe.yaml").write_text(recipe.to_yaml())
         metrics["time"]["total_seconds"] = round(time.perf_counter() - started, 1)

@@ -167,6 +167,7 @@ def test_a_conversational_prompt_needs_a_chat_template(model_dir, tmp_path):
 @pytest.mark.parametrize(
     ("fmt", "records", "extra"),
     [
+        ("prompt_completion", PROMPT_COMPLETION * 4, []),
         ("prompt_completion", CONVERSATIONAL * 4, ["data.chat_template=plain"]),
         ("sharegpt", SHAREGPT * 4, []),
         ("alpaca", DOLLY * 4, ["data.columns={instruction: instruction, input: context, output: response}"]),

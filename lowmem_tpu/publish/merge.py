@@ -295,7 +295,9 @@ def _merge_checked(adapter_dir, out, config, choice, protected, dtype, force, ma
                 f"(relative), above the tolerance {check['tolerance']:.0e}; nothing was written "
                 "(try --dtype float32)"
             )
-        tokenizer.save_pretrained(partial)
+        from lowmem_tpu.model import save_tokenizer
+
+        save_tokenizer(tokenizer, partial)  # with the base's tokenizer.model: a drop-in for the base
         for name in PROVENANCE:
             if (adapter_dir / name).is_file():
                 shutil.copy2(adapter_dir / name, partial / name)

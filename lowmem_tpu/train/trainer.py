@@ -340,7 +340,9 @@ class XlaSFTTrainer(SFTTrainer):
             if getattr(self.model, "generation_config", None) is not None:
                 self.model.generation_config.save_pretrained(directory)
         if self.processing_class is not None:
-            self.processing_class.save_pretrained(str(directory))
+            from lowmem_tpu.model import save_tokenizer
+
+            save_tokenizer(self.processing_class, directory)
         (directory / ckpt.RECIPE).write_text(self.recipe.to_yaml())  # how generate formats prompts
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
