@@ -24,10 +24,13 @@ install-scan: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/lowmem-tpu sft recipes/tiny_lora_cpu.yaml --overwrite
 
+# Two pytest workers (pytest-xdist), a test module per worker at a time: the suite is mostly
+# single-threaded Python and process start-up, so two cores finish it in about half the time.
+TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadscope
 
 # Every shipped recipe's step traced here and checked against the TPU compiler's verdict for its target
 # (a program byte for byte the one in docs/tpu_compile.json keeps its figures; any other is compiled).

@@ -266,8 +266,8 @@ def test_skip_mode_drops_a_nonfinite_update_exactly(lora_run, tmp_path):
 @pytest.mark.parametrize("impl", ["chunked"])  # eager/sdpa's block mask: test_levers, on the model itself
 def test_packed_rows_train_through_the_real_trainer(tmp_path_factory, impl):
     """data.packing: segment ids and restarting positions reach the model on the XLA devices."""
-    quick = [*ONE_STEP, "train.max_steps=2", "data.packing=true", "data.max_length=64"]
-    quick += [f"model.attn_implementation={impl}"]  # samples of 21 tokens: 3 per row
+    quick = [*ONE_STEP, "train.max_steps=2", "data.packing=true", "data.max_length=72"]
+    quick += [f"model.attn_implementation={impl}"]  # samples of 22 tokens (BOS leads): 3 per row
     _, run = _run(tmp_path_factory, f"packed-{impl}", *quick)
     losses = [e["loss"] for e in run.metrics["train"]["log"] if "loss" in e]
     assert len(losses) == 2 and all(0 < x < 20 for x in losses)
