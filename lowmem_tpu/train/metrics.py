@@ -12,9 +12,9 @@ from typing import Any
 from transformers import TrainerCallback
 
 from lowmem_tpu.errors import UserError
+from lowmem_tpu.train.plot import JSONL
 from lowmem_tpu.xla import runtime as rt
 
-JSONL = "metrics.jsonl"
 # The package each train.report_to integration needs (transformers' own callbacks import them).
 INTEGRATIONS = {
     "tensorboard": ("tensorboard", "pip install 'lowmem-tpu[tensorboard]' (in a clone, make install has it)"),

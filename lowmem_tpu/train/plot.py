@@ -15,7 +15,7 @@ from typing import Any
 
 from lowmem_tpu.errors import UserError
 
-JSONL = "metrics.jsonl"  # train.metrics.JSONL, named again so that drawing loads no transformers
+JSONL = "metrics.jsonl"  # the run's log (train.metrics writes it); named here, where no transformers loads
 LOSS_PNG = "loss.png"
 MISSING = "matplotlib is not installed: pip install -c constraints.txt matplotlib (the [plot] extra)"
 _UP = 3  # output_dir/checkpoints/step-N is two levels below the run, final/ one
