@@ -6,7 +6,9 @@
 Each point is ``recipes/tiny_lora_cpu.yaml`` with overrides, its steady step traced with placeholders
 and compiled for the device (``lowmem-tpu memory --compile``), beside the planner's peak for the same
 recipe and device. ``mini`` has Open Llama 3B's proportions (head size 100, MLP 2.7 x hidden, vocabulary
-32,000) at 4 layers of hidden 400. The real 3B shape is the shipped recipes (scripts/tpu_compile_recipes.py).
+32,000) at 4 layers of hidden 400; ``w3b`` is Open Llama 3B itself cut to 4 of its 26 layers, at the shipped
+recipes' batch (32 x 1024 tokens on v5e-8, 4 x 1024 on v5e-1). The whole 3B is the shipped recipes
+(scripts/tpu_compile_recipes.py).
 Prints a markdown table and the worst point; ``--json`` keeps every figure.
 """
 
@@ -40,22 +42,38 @@ POINTS = {
     "lora, chunked attention": ["model.attn_implementation=chunked"],
     "lora, accumulation 2": ["train.gradient_accumulation_steps=2"],
     "qlora int8": ["model.quantize=int8"],
-    "qlora int4": ["model.quantize=int4", "model.quantize_group_size=16"],
+    "qlora int4": ["model.quantize=int4", "model.quantize_group_size=32"],
 }
-SHAPES = {"tiny": ["data.max_length=64", "train.global_batch_size=64"], "mini": ["data.max_length=512"]}
-BATCH = {("mini", 8): 32, ("mini", 1): 4}
+SHAPES = {
+    "tiny": ["data.max_length=64", "train.global_batch_size=64"],
+    "mini": ["data.max_length=512"],
+    "w3b": ["data.max_length=1024"],
+}
+BATCH = {("mini", 8): 32, ("mini", 1): 4, ("w3b", 8): 32, ("w3b", 1): 4}
+OPEN_LLAMA_3B = ROOT / "lowmem_tpu" / "configs" / "openlm-research__open_llama_3b_v2.json"
 
 
-def point(model: str, device: str, overrides: list[str], mini_dir: Path) -> dict:
+def configs(work: Path) -> dict[str, Path]:
+    """The models built from configs: ``mini`` and ``w3b`` (Open Llama 3B at 4 layers), written under ``work``."""
+    w3b = json.loads(OPEN_LLAMA_3B.read_text()) | {"num_hidden_layers": 4}
+    dirs = {}
+    for name, config in (("mini", MINI), ("w3b", w3b)):
+        (work / name).mkdir()
+        (work / name / "config.json").write_text(json.dumps(config))
+        dirs[name] = work / name
+    return dirs
+
+
+def point(model: str, device: str, overrides: list[str], models: dict[str, Path], keep: Path | None = None) -> dict:
     target = DEVICES[device]
     shape = [*SHAPES[model]]
-    if model == "mini":
-        shape += [f"model.name_or_path={mini_dir}", f"train.global_batch_size={BATCH[model, target.devices]}"]
+    if model in models:
+        shape += [f"model.name_or_path={models[model]}", f"train.global_batch_size={BATCH[model, target.devices]}"]
     overrides = [*COMMON, *shape, *overrides, "runtime.device=tpu"]
     recipe = load_recipe(str(ROOT / "recipes" / "tiny_lora_cpu.yaml"), overrides)
     planned = plan_recipe(recipe, device).plan.peak
     started = time.perf_counter()
-    compiled = compile_recipe(recipe, target)
+    compiled = compile_recipe(recipe, target, keep=keep)
     return {
         "planned": planned,
         "compiled": compiled.needed,
@@ -72,9 +90,9 @@ def main() -> int:
     parser.add_argument("--devices", default="v5e-8,v5e-1")
     parser.add_argument("--only", nargs="*", default=None)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--keep", type=Path, default=None, help="keep each point's trace and TPU dumps under DIR")
     args = parser.parse_args()
-    mini_dir = Path(tempfile.mkdtemp(prefix="lowmem-mini-"))
-    (mini_dir / "config.json").write_text(json.dumps(MINI))
+    models = configs(Path(tempfile.mkdtemp(prefix="lowmem-grid-")))
     rows = []
     print("| model | device | point | planner | TPU compiler | error |")
     print("|---|---|---|---|---|---|")
@@ -84,11 +102,15 @@ def main() -> int:
                 if args.only is not None and name not in args.only:
                     continue
                 try:
-                    row = point(model, device, overrides, mini_dir)
+                    label = f"{model}-{device}-{name}".replace(" ", "").replace(",", "-")
+                    keep = args.keep / label if args.keep else None
+                    row = point(model, device, overrides, models, keep)
                 except UserError as err:
                     print(f"| {model} | {device} | {name} | error: {err} | | |", flush=True)
                     continue
                 rows.append({"model": model, "device": device, "point": name, "overrides": overrides} | row)
+                if args.json:  # every point as it comes: a long grid stopped early keeps what it measured
+                    args.json.write_text(json.dumps(rows, indent=2) + "\n")
                 mib = 2**20
                 print(
                     f"| {model} | {device} | {name} | {row['planned'] / mib:.1f} MiB | {row['compiled'] / mib:.1f} MiB "

@@ -19,7 +19,7 @@ from lowmem_tpu.config.schema import LORA_TARGETS
 from lowmem_tpu.errors import UserError
 from lowmem_tpu.memory import advise as memory_report
 from lowmem_tpu.memory import plan as memory
-from lowmem_tpu.memory import shape
+from lowmem_tpu.memory import shape, tpu_layout
 from lowmem_tpu.memory.compiler import live_at_peak, parse_buffer_assignment
 from lowmem_tpu.memory.measure import shard_numel
 
@@ -70,11 +70,16 @@ def test_weights_gradients_and_adamw_state_follow_the_shard_rule():
     # -> 25 rows; q/k/v/o [64, 64] -> 16 rows; gate/up [160, 64] and down [64, 160] -> 40; norms 16.
     per_layer = 4 * 16 * h + 3 * 40 * h + 2 * 16
     expected = (2 * 25 * h + 16 + n * per_layer) * 4
-    p = plan()
+    p = plan(layout="cpu")
     assert p.weights == expected
     assert p.gradients == expected  # full fine-tuning: every weight trains, same dtype and sharding
     assert p.optimizer == 2 * expected  # AdamW: exp_avg and exp_avg_sq shaped like each parameter
     assert p.total_parameters == p.trainable_parameters == 2 * v * h + h + n * (4 * h * h + 3 * h * i + 2 * h)
+    # A TPU holds each shard padded to (8, 128) tiles, whichever way round pads less: [25, 64] -> [32, 128],
+    # [16, 64] -> [16, 128], [40, 64] and [64, 40] -> 40 x 128; vectors of 16 -> 128 elements.
+    tiled = (2 * 32 * 128 + 128 + n * (4 * 16 * 128 + 3 * 40 * 128 + 2 * 128)) * 4
+    tpu = plan()
+    assert tpu.weights == tpu.gradients == tiled and tpu.optimizer == 2 * tiled
 
 
 def test_lora_trains_fp32_adapters_on_a_bf16_base():
@@ -97,9 +102,9 @@ def test_adafactor_keeps_factored_fp32_state():
 
 
 def test_replicated_keeps_a_full_copy_per_device():
-    fsdp, replicated = plan(), plan(replace(BASE, strategy="replicated"))
+    fsdp, replicated = plan(layout="cpu"), plan(replace(BASE, strategy="replicated"), layout="cpu")
     assert replicated.weights > 3.5 * fsdp.weights
-    assert replicated.workspace == 0
+    assert replicated.workspace == plan(replace(BASE, strategy="replicated")).workspace == 0  # nothing gathered
 
 
 def test_activations_with_and_without_checkpointing():
@@ -127,15 +132,38 @@ def test_logits_full_or_chunked():
 
 
 def test_peak_is_persistent_state_plus_the_larger_phase():
-    p = plan()
+    p = plan(layout="cpu")
     backward = max(p.logits + p.workspace, memory.backward_workspace(SHAPE, BASE))
     assert p.peak == p.weights + p.optimizer + max(p.activations + backward, p.gradient_phase)
     assert p.margin == p.peak // 10 + 256 * 2**20
     assert p.persistent == p.weights + p.gradients + p.optimizer
-    cpu = plan(layout="cpu")  # no reduce-scatter on the CPU backend: whole gradients at the end of backward
+    # No reduce-scatter on the CPU backend: whole gradients at the end of backward.
     whole = sum(t.numel * 4 for t in memory.parameters(SHAPE, BASE)) + 100 * 64 * 4  # + the LM head twice
-    assert cpu.gradient_phase == whole + memory.layer_activations(SHAPE, BASE)
-    assert p.gradient_phase == p.gradients + memory.layer_activations(SHAPE, BASE)
+    assert p.gradient_phase == whole + memory.layer_activations(SHAPE, BASE)
+
+
+def test_the_tpu_layout_is_the_tpu_compilers():
+    """What the TPU compiler keeps (tpu_layout): one logits buffer in the compute dtype, 2.6 hidden-sized
+    tensors per checkpointed layer across chips (5 on one), the layer in hand with fp32 MLP gradients,
+    the head and one layer gathered, and full fine-tuning's gradient copies held for the optimizer."""
+    st = replace(BASE, dtype="bfloat16", length=64)
+    p, t = plan(st), tpu_layout.transients(SHAPE, st, 0, 0)
+    tokens = 2 * 64
+    assert p.logits == t.logits == tokens * 100 * 2  # no fp32 copies: the loss is fused with the head
+    assert t.kept == int(3 * 2.6 * tokens * 64 * 2)
+    one = replace(st, devices=1, global_batch=2)
+    assert tpu_layout.kept(SHAPE, one, True) == 3 * 5 * tokens * 64 * 2
+    probabilities = 2 * 4 * 64 * 64 * 2  # [sequences, heads, length, length] in bf16
+    assert t.layer == tokens * (9 * 64 + 160) * 2 + 3 * tokens * 160 * 4 + probabilities
+    assert p.workspace == (100 * 64 + 4 * 64 * 64 + 3 * 64 * 160) * 2 and plan(one).workspace == 0
+    trained = sum(memory.shard_numel(x.shape, "fsdp", 4) for x in memory.parameters(SHAPE, st))
+    assert p.gradient_phase == p.gradients + 4 * trained  # an fp32 copy of every gradient
+    extra = p.workspace + 4 * trained
+    assert p.peak == p.weights + p.optimizer + p.gradients + max(t.kept + t.logits, t.kept + t.layer) + extra
+    lora = plan(replace(st, lora=True))
+    assert lora.gradient_phase == lora.gradients  # LoRA: nothing copied
+    # The chunked loss keeps two blocks of 8 positions (64 / 8) of logits.
+    assert plan(replace(st, chunked_loss=True)).logits == 2 * 2 * 8 * 100 * 2
 
 
 def test_fits_and_does_not_fit():

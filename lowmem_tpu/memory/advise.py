@@ -237,12 +237,13 @@ def plan_rows(plan: Plan) -> list[tuple[str, int]]:
             plan.activations_not_checkpointed if st.checkpointing else plan.activations_checkpointed,
         ),
         (f"logits / loss buffers ({_loss_kind(st)})", plan.logits),
-        ("XLA workspace (LM head gathered)", plan.workspace),
+        (f"XLA workspace (LM head{' and a layer' if plan.layout == 'tpu' else ''} gathered)", plan.workspace),
         *([(f"dequantized weights ({st.dtype}, transient)", plan.dequantized)] if plan.dequantized else []),
     ]
     if not st.lora:
         whole = " all-reduced whole (CPU)" if plan.layout == "cpu" and st.devices > 1 else ""
-        rows.append((f"end of backward: gradients{whole} + 1 layer", plan.gradient_phase))
+        tail = " + 1 layer" if plan.layout == "cpu" else " and their copies for the optimizer"
+        rows.append((f"end of backward: gradients{whole}{tail}", plan.gradient_phase))
     return [*rows, ("peak", plan.peak), ("margin for XLA workspace (10% + 256 MiB)", plan.margin)]
 
 

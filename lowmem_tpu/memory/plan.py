@@ -15,7 +15,9 @@ import math
 from dataclasses import dataclass, replace
 
 from lowmem_tpu.config.rules import loss_block
+from lowmem_tpu.memory import tpu_layout
 from lowmem_tpu.memory.shape import Setting, Shape, linears
+from lowmem_tpu.memory.tiles import tpu_shard_bytes
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
@@ -86,11 +88,14 @@ def shard_numel(shape: tuple[int, ...], strategy: str, devices: int) -> int:
     return math.prod(math.ceil(d / devices) if i == axis else d for i, d in enumerate(shape))
 
 
-def _bytes(tensors: list[Tensor], st: Setting) -> int:
+def _bytes(tensors: list[Tensor], st: Setting, tiled: bool = False) -> int:
+    """Bytes per device of ``tensors``' shards; ``tiled``: padded to a TPU's tiles, as its HBM holds them."""
+    if tiled:
+        return sum(tpu_shard_bytes(t.shape, t.itemsize, st.strategy, st.devices) for t in tensors)
     return sum(shard_numel(t.shape, st.strategy, st.devices) * t.itemsize for t in tensors)
 
 
-def optimizer_bytes(trainable: list[Tensor], st: Setting) -> int:
+def optimizer_bytes(trainable: list[Tensor], st: Setting, tiled: bool = False) -> int:
     """AdamW: two states shaped and typed like each parameter. Adafactor: fp32 row and column factors,
     each split over the devices when it runs along the parameter's sharded dimension (measured).
     Master weights: an fp32 copy of each low-precision parameter, sharded like it, which AdamW's
@@ -99,8 +104,8 @@ def optimizer_bytes(trainable: list[Tensor], st: Setting) -> int:
     masters = [Tensor(t.shape, 4, True) for t, c in zip(trainable, copied, strict=True) if c]
     fp32 = [t for t, c in zip(trainable, copied, strict=True) if not c] + masters
     if st.optimizer == "adamw":
-        return 2 * _bytes(fp32, st) + _bytes(masters, st)
-    total = _bytes(masters, st)
+        return 2 * _bytes(fp32, st, tiled) + _bytes(masters, st, tiled)
+    total = _bytes(masters, st, tiled)
     for t in trainable:
         if len(t.shape) < 2:
             total += shard_numel(t.shape, st.strategy, st.devices) * 4
@@ -303,7 +308,7 @@ class Plan:
     activations_not_checkpointed: int
     dropout_masks: int  # part of activations: LoRA dropout's random bits (see dropout_masks)
     logits: int
-    workspace: int  # the LM head gathered whole for the logits (FSDP, more than one device)
+    workspace: int  # the LM head gathered whole for the logits (FSDP, more than one device); TPU: and a layer
     gradient_phase: int  # gradients at the end of the backward pass (CPU: all-reduced whole, not sharded)
     dequantized: int  # a quantized base's transient: dequantized weights live at the peak (see dequantized_bytes)
     peak: int
@@ -332,10 +337,13 @@ def margin_for(peak: int) -> int:
 
 
 def plan_setting(s: Shape, st: Setting, layout: str, capacity: int) -> Plan:
-    """Plan one setting: persistent state from the shard rule, the rest from the activation model.
+    """Plan one setting: persistent state from the shard rule, the rest from the layout's activation model.
 
-    peak = weights + optimizer + max(max(loss phase, layer phase) + dequantized, gradient phase)
+    CPU: peak = weights + optimizer + max(max(loss phase, layer phase) + dequantized, gradient phase)
+    TPU: see :func:`tpu_plan`.
     """
+    if layout == "tpu":
+        return tpu_plan(s, st, capacity)
     params = parameters(s, st)
     trainable = [p for p in params if p.trainable]
     e = DTYPE_BYTES[st.dtype]
@@ -378,6 +386,43 @@ def plan_setting(s: Shape, st: Setting, layout: str, capacity: int) -> Plan:
         workspace=workspace,
         gradient_phase=gradient_phase,
         dequantized=dequantized,
+        peak=peak,
+        margin=margin_for(peak),
+        capacity=capacity,
+    )
+
+
+def tpu_plan(s: Shape, st: Setting, capacity: int) -> Plan:
+    """Plan one setting as libtpu's compiler lays the step out (:mod:`lowmem_tpu.memory.tpu_layout`).
+
+    peak = weights + optimizer + gradients + max(loss phase, layer phase) + gathered weights
+           + full fine-tuning's gradient copies + a quantized base's dequantized weights + dropout's bits
+    """
+    params = parameters(s, st)
+    trainable = [p for p in params if p.trainable]
+    weights, gradients = _bytes(params, st, tiled=True), _bytes(trainable, st, tiled=True)
+    optimizer = optimizer_bytes(trainable, st, tiled=True)
+    elements = sum(shard_numel(t.shape, st.strategy, st.devices) for t in trainable)
+    t = tpu_layout.transients(s, st, elements, dequantized_bytes(s, st))
+    dropout = dropout_masks(s, st, "tpu")
+    peak = weights + optimizer + gradients + t.peak + dropout
+    return Plan(
+        setting=st,
+        layout="tpu",
+        trainable_parameters=sum(p.numel for p in trainable),
+        total_parameters=sum(p.parameters for p in params),
+        weights=weights,
+        gradients=gradients,
+        optimizer=optimizer,
+        activations=t.kept + dropout,
+        activations_checkpointed=t.kept_checkpointed + dropout_masks(s, replace(st, checkpointing=True), "tpu"),
+        activations_not_checkpointed=t.kept_not_checkpointed
+        + dropout_masks(s, replace(st, checkpointing=False), "tpu"),
+        dropout_masks=dropout,
+        logits=t.logits,
+        workspace=t.gathered,
+        gradient_phase=gradients + t.gradients,
+        dequantized=t.dequantized,
         peak=peak,
         margin=margin_for(peak),
         capacity=capacity,

@@ -163,7 +163,7 @@ def _trace_hook(record: dict[str, Any], result: Path) -> Any:
     """The trainer callback of a ``trace``: optimizer state made before step 1, the step's program kept."""
     from transformers import TrainerCallback
 
-    from lowmem_tpu.memory.trace import ProgramWatcher, prefill_optimizer_state
+    from lowmem_tpu.memory.trace import ProgramWatcher, prefill_optimizer_state, resident_tensors
     from lowmem_tpu.xla import runtime as rt
 
     dump = Path(os.environ["LOWMEM_DUMP_DIR"])
@@ -175,7 +175,9 @@ def _trace_hook(record: dict[str, Any], result: Path) -> Any:
 
     class Hook(TrainerCallback):
         def on_train_begin(self, args, state, control, optimizer=None, **kwargs) -> None:
-            record["placeholders"] += prefill_optimizer_state(getattr(optimizer, "optimizer", optimizer))
+            state = prefill_optimizer_state(getattr(optimizer, "optimizer", optimizer))
+            record["placeholders"] += len(state)
+            record["resident"] += resident_tensors(state)
 
         def on_step_begin(self, args, state, control, **kwargs) -> None:
             # The next program handed over is the step's: its first micro-batch's with accumulation (the
@@ -199,7 +201,7 @@ def _trace_hook(record: dict[str, Any], result: Path) -> Any:
 def _trace(recipe: Recipe, runtime: Any, micro: int, record: dict[str, Any], result: Path) -> None:
     import torch
 
-    from lowmem_tpu.memory.trace import placeholder_model
+    from lowmem_tpu.memory.trace import placeholder_model, resident_tensors
     from lowmem_tpu.xla.sharding import placeholder, placeholders_unmarked
 
     if recipe.model.attn_implementation == "flash":
@@ -209,11 +211,17 @@ def _trace(recipe: Recipe, runtime: Any, micro: int, record: dict[str, Any], res
         lower_pallas_for_tpu()  # the kernel is TPU code in a trace that never runs
         install()
     model, record["placeholders"] = placeholder_model(recipe, runtime)
+    # With accumulation the program traced is the first micro-batch's forward and backward: it takes
+    # the model's placeholders only, while the optimizer state and master weights (``resident``) wait
+    # in HBM for the optimizer's program after the last micro-batch.
+    record["model_placeholders"], record["resident"] = record["placeholders"], []
     trainer = _trainer(recipe, runtime, model, micro, _trace_hook(record, result))
 
     def fp32_copy(param: Any) -> Any:  # the master weights, as placeholders too
         record["placeholders"] += 1
-        return placeholder(param.shape, torch.float32)
+        copy = placeholder(param.shape, torch.float32)
+        record["resident"] += resident_tensors([copy])
+        return copy
 
     trainer._fp32_copy = fp32_copy
     with placeholders_unmarked():

@@ -29,6 +29,7 @@ from lowmem_tpu.config.devices import DEVICES, Device, host_memory, meminfo
 from lowmem_tpu.console import size
 from lowmem_tpu.errors import UserError
 from lowmem_tpu.memory.compiler import OutOfMemory, hbm_allocations, out_of_memory
+from lowmem_tpu.memory.tiles import tpu_shard_bytes
 
 EXTRA = 'pip install -c constraints.txt -e ".[compiler]"'
 TRACE_FLAGS = "--xla_dump_to={dir} --xla_dump_hlo_pass_re=NONE --xla_dump_hlo_as_proto --xla_dump_hlo_as_text"
@@ -55,6 +56,9 @@ class TpuCompile:
     temporaries: int = 0  # HBM only (colour 0 of the buffer assignment)
     scratch: int = 0  # on-chip memory (VMEM, SMEM, ...): the other colours, not HBM
     host: int = 0  # pinned host memory the program uses (layout S(5)), not HBM
+    # With accumulation: the optimizer state and master weights that stay in HBM beside the
+    # micro-batch's program (which does not take them), by the shard rule and the TPU's tiles.
+    resident: int = 0
     kernels: int = 0  # Pallas kernels (tpu_custom_call) in the traced program
     generated_code: int = 0
     cost: dict[str, float] = field(default_factory=dict)
@@ -64,10 +68,11 @@ class TpuCompile:
 
     @property
     def needed(self) -> int:
-        """What the chip must hold at the step's peak: arguments + outputs - aliased + temporaries."""
+        """What the chip must hold at the step's peak: arguments + outputs - aliased + temporaries
+        (+ what stays resident beside a micro-batch's program)."""
         if self.refused is not None:
-            return self.refused.needed_bytes
-        return self.arguments + self.outputs - self.aliased + self.temporaries
+            return self.refused.needed_bytes + self.resident
+        return self.arguments + self.outputs - self.aliased + self.temporaries + self.resident
 
     @property
     def fits(self) -> bool:
@@ -100,6 +105,7 @@ class TracedStep:
     host_peak_rss_bytes: int
     key: str  # the program, the target, libtpu and our compile step: equal keys compile alike
     kernels: int = 0  # Pallas kernels (tpu_custom_call) in the program
+    resident: int = 0  # per chip: what stays in HBM beside the program without being its argument
 
 
 def trace_step(recipe: Recipe, device: Device, work: Path, timeout: float = 3600) -> TracedStep:
@@ -124,15 +130,21 @@ def trace_step(recipe: Recipe, device: Device, work: Path, timeout: float = 3600
     }
     started = time.perf_counter()
     traced = spawn_step("trace", recipe, overrides, 1, env, timeout)
+    accumulating = recipe.train.gradient_accumulation_steps > 1
     request = {
         "module": traced["module"],
         "module_text": traced["module_text"],
         "topology": device.topology,
         "host_bounds": list(device.host_bounds),
         "devices": n,
-        "placeholders": traced["placeholders"],
+        # With accumulation the program is the first micro-batch's: the model's placeholders only.
+        "placeholders": traced["model_placeholders" if accumulating else "placeholders"],
         "strategy": recipe.sharding.strategy,
     }
+    resident = 0
+    if accumulating:
+        strategy = recipe.sharding.strategy
+        resident = sum(tpu_shard_bytes(shape, itemsize, strategy, n) for shape, itemsize in traced["resident"])
     digest = hashlib.sha256(Path(traced["module"]).read_bytes())
     digest.update(json.dumps({k: v for k, v in request.items() if not k.startswith("module")}).encode())
     digest.update(Path(tpu_compiler_source()).read_bytes())
@@ -144,7 +156,7 @@ def trace_step(recipe: Recipe, device: Device, work: Path, timeout: float = 3600
         digest.update(with_libtpu_flags(os.environ.get("LIBTPU_INIT_ARGS", "")).encode())
     seconds = round(time.perf_counter() - started, 1)  # the whole trace, the subprocess's start included
     kernels = text.count('custom_call_target="tpu_custom_call"')
-    return TracedStep(request, seconds, traced.get("host_peak_rss_bytes", 0), digest.hexdigest(), kernels)
+    return TracedStep(request, seconds, traced.get("host_peak_rss_bytes", 0), digest.hexdigest(), kernels, resident)
 
 
 def compile_traced(traced: TracedStep, device: Device, work: Path, timeout: float = 3600) -> TpuCompile:
@@ -164,6 +176,7 @@ def compile_traced(traced: TracedStep, device: Device, work: Path, timeout: floa
         "host_peak_rss_bytes": max(compiled.get("host_peak_rss_bytes", 0), traced.host_peak_rss_bytes),
         "placeholders": traced.request["placeholders"],
         "donated": compiled.get("donors", 0),
+        "resident": traced.resident,
     }
     if "error" in compiled:
         refused = out_of_memory(compiled["error"])
@@ -290,23 +303,6 @@ def compile_beside_plan(
     from lowmem_tpu.model.architecture import flops_per_token
 
     device = compile_target(device_name)
-    untraceable = [
-        f"{field} ({why})"
-        for field, on, why in (
-            (
-                "train.gradient_accumulation_steps > 1",
-                recipe.train.gradient_accumulation_steps > 1,
-                "a step of several programs; the first uses only some of the placeholders",
-            ),
-        )
-        if on
-    ]
-    if untraceable:
-        raise UserError(
-            f"--compile: {', '.join(untraceable)} cannot be traced on the CPU backend yet, which the trace runs on; "
-            "compile the recipe without it (e.g. model.attn_implementation=chunked, or the same tokens per step in "
-            "one micro-batch) for the rest of its figures"
-        )
     config = require_config(recipe)
     report = plan_recipe(recipe, device.name, config)  # also refuses a batch the chips do not split
     result = result or compile_recipe(recipe, device)

@@ -61,6 +61,11 @@ def format_compile(result: TpuCompile, planned_peak: int | None, cost: dict[str,
     lines = [f"the TPU compiler (libtpu {result.libtpu}) for {target}, per chip:"]
     if result.error:
         return "\n".join([*lines, f"  the compiler failed: {result.error[:600]}"])
+    if result.resident:
+        lines.append(
+            "  gradient accumulation: this is the first micro-batch's program (forward and backward); the "
+            "optimizer's program after the last one is not compiled"
+        )
     if result.refused:
         asked = f"{g(result.needed)} of {g(result.refused.capacity_bytes)}"
         lines.append(f"  does not fit: the TPU compiler asks for {asked} {result.refused.memory_space}")
@@ -72,6 +77,8 @@ def format_compile(result: TpuCompile, planned_peak: int | None, cost: dict[str,
             ("aliased (donated inputs reused by outputs)", -result.aliased),
             ("temporaries (HBM)", result.temporaries),
         ]
+        if result.resident:
+            rows.append(("optimizer state kept beside it", result.resident))
         lines += [f"  {label:<44}{g(value):>11}" for label, value in rows]
         room = result.capacity - result.needed
         verdict = f"fits, {g(room)} free" if room >= 0 else f"does not fit, {g(-room)} short"

@@ -59,16 +59,16 @@ def _meta_state(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) ->
     return [meta.state[t] for t in twins]
 
 
-def prefill_optimizer_state(optimizer: torch.optim.Optimizer) -> int:
+def prefill_optimizer_state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """Give every parameter the optimizer state of a step already taken, as placeholders.
 
     Tensors become placeholders of their shape and dtype; 0-d tensors (AdamW's step count) real
-    ones on the host, where the optimizer keeps them. Returns the number of placeholders made.
+    ones on the host, where the optimizer keeps them. Returns the placeholders made.
     """
     from lowmem_tpu.xla.sharding import placeholder
 
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    made = 0
+    made = []
     for param, state in zip(params, _meta_state(optimizer, params), strict=True):
         filled: dict[str, Any] = {}
         for key, value in state.items():
@@ -78,9 +78,14 @@ def prefill_optimizer_state(optimizer: torch.optim.Optimizer) -> int:
                 filled[key] = torch.ones((), dtype=value.dtype)
             else:
                 filled[key] = placeholder(value.shape, value.dtype)
-                made += 1
+                made.append(filled[key])
         optimizer.state[param] = filled
     return made
+
+
+def resident_tensors(tensors: list[torch.Tensor]) -> list[tuple[list[int], int]]:
+    """(shape, bytes per element) of tensors a micro-batch's program leaves untouched in HBM."""
+    return [(list(t.shape), t.element_size()) for t in tensors]
 
 
 class ProgramWatcher:

@@ -1,0 +1,150 @@
+"""The planner's TPU layout: a step's memory per chip as libtpu's compiler lays it out.
+
+Read off the TPU compiler's buffer assignments (``lowmem-tpu memory --compile``, libtpu 0.0.21 for
+v5e; ``scripts/tpu_planner_grid.py``, docs/memory.md), which differ from XLA:CPU's in kind:
+
+- everything kept for the backward pass is in the compute dtype (bf16), the softmax's
+  probabilities too (the fp32 softmax is fused away);
+- the loss is fused into the LM head: one [tokens, vocab] buffer in the compute dtype, no fp32
+  copies; ``train.chunked_loss`` keeps two blocks' logits (mini, v5e-8: 96 MiB against 185 without
+  it; it was 346 while its top-1 hits took an argmax, see ``model.loss``);
+- a checkpointed decoder layer keeps ``KEPT_PER_LAYER`` hidden-sized tensors per token (the slope
+  from 4 to 26 layers of Open Llama 3B: 2.6 under FSDP over 8 chips, 5.0 on one chip);
+- the layer being recomputed holds its activations, its probabilities, the MLP's gradients in
+  fp32 (three [tokens, intermediate]) and, under FSDP over several chips, its gathered weights and
+  the gathered head;
+- full fine-tuning keeps every layer's gradient and an fp32 copy of it until the optimizer runs
+  (the same 4 -> 26 layer slope).
+
+Every buffer sits in one arena whose span, not the bytes live at one moment, is what the chip
+must hold, so the counts here are of the arena. Shards are padded to the chip's tiles
+(:mod:`lowmem_tpu.memory.tiles`). Small models are overestimated: the compiler then keeps
+mid-sized buffers in the chip's on-chip memory, which is not HBM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lowmem_tpu.config.rules import loss_block
+from lowmem_tpu.memory.shape import Setting, Shape, linears
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+# Hidden-sized tensors per token a checkpointed layer keeps (libtpu 0.0.21, Open Llama 3B, 4 -> 26 layers).
+KEPT_PER_LAYER = {"sharded": 2.6, "one chip": 5.0}
+# Per token of the layer in hand: hidden-sized and intermediate-sized tensors in the compute dtype,
+# and the MLP's fp32 gradients (intermediate-sized): Open Llama 3B at 4 layers.
+RECOMPUTED_HIDDEN, RECOMPUTED_INTERMEDIATE, MLP_GRADIENTS_FP32 = 9, 1, 3
+# A layer that is not checkpointed keeps these per token (mini, 4 layers, the compiler's buffers).
+KEPT_HIDDEN, KEPT_INTERMEDIATE = 7.5, 3
+# Bytes per trained element of each layer held until the optimizer runs: the gradient in the
+# compute dtype and its fp32 copy (full fine-tuning, Open Llama 3B, 4 -> 26 layers).
+GRADIENT_COPY_BYTES = 4
+
+
+@dataclass(frozen=True)
+class TpuTransients:
+    """Bytes per chip beside the persistent state: what the planner's peak adds to it."""
+
+    kept: int  # the forward pass's activations kept for the backward pass (with the setting's checkpointing)
+    kept_checkpointed: int
+    kept_not_checkpointed: int
+    layer: int  # the layer in hand: recomputed activations, probabilities, the MLP's fp32 gradients
+    logits: int
+    gathered: int  # FSDP over several chips: the head and one layer's weights gathered whole
+    gradients: int  # full fine-tuning: every layer's gradient copies held for the optimizer
+    dequantized: int
+
+    freed_before_recompute: int = 0  # every_K: the later layers' activations, gone when the first is recomputed
+    workspace: int = 0  # a layer's gradient buffers alone (a layer not checkpointed needs nothing recomputed)
+
+    @property
+    def peak(self) -> int:
+        loss_phase = self.kept + self.logits
+        layer_phase = max(self.kept - self.freed_before_recompute + self.layer, self.kept + self.workspace)
+        return max(loss_phase, layer_phase) + self.gathered + self.gradients + self.dequantized
+
+
+def probabilities(s: Shape, st: Setting) -> int:
+    """The softmax's probabilities of one layer, in the compute dtype: [sequences, heads, length, keys]."""
+    keys = min(128, st.length) if st.attention in ("chunked", "flash") else st.length
+    return st.live_sequences * s.heads * st.length * keys * DTYPE_BYTES[st.dtype]
+
+
+def layer_kept(s: Shape, st: Setting) -> int:
+    """What a layer that is not checkpointed keeps for its backward pass."""
+    e = DTYPE_BYTES[st.dtype]
+    return int(st.tokens * (KEPT_HIDDEN * s.hidden + KEPT_INTERMEDIATE * s.intermediate) * e) + probabilities(s, st)
+
+
+def kept(s: Shape, st: Setting, checkpointing: bool) -> int:
+    """The forward pass's activations at the start of the backward pass."""
+    if not checkpointing:
+        return s.layers * layer_kept(s, st)
+    recomputed = -(-s.layers // st.checkpoint_every)
+    per = KEPT_PER_LAYER["sharded" if st.devices > 1 and st.strategy == "fsdp" else "one chip"]
+    hidden = st.tokens * s.hidden * DTYPE_BYTES[st.dtype]
+    return int(recomputed * per * hidden) + (s.layers - recomputed) * layer_kept(s, st)
+
+
+def backward_workspace(s: Shape, st: Setting) -> int:
+    """A layer's gradient buffers: the MLP's in fp32 and the probabilities'."""
+    return MLP_GRADIENTS_FP32 * st.tokens * s.intermediate * 4 + probabilities(s, st)
+
+
+def layer_in_hand(s: Shape, st: Setting) -> int:
+    """The layer whose backward pass runs: its recomputed activations (checkpointed) and its gradient buffers."""
+    e = DTYPE_BYTES[st.dtype]
+    recomputed = st.tokens * (RECOMPUTED_HIDDEN * s.hidden + RECOMPUTED_INTERMEDIATE * s.intermediate) * e
+    return (recomputed if st.checkpointing else 0) + backward_workspace(s, st)
+
+
+def freed_before_recompute(s: Shape, st: Setting) -> int:
+    """Checkpointing one layer in K (layers 0, K, 2K, ...): the layers after the last checkpointed one run
+    their backward pass first and free what they kept before any recomputation starts."""
+    if not st.checkpointing:
+        return 0
+    last = st.checkpoint_every * (-(-s.layers // st.checkpoint_every) - 1)
+    return (s.layers - 1 - last) * layer_kept(s, st)
+
+
+# Blocks of logits ([sequences, block, vocab], compute dtype) the chunked loss holds at once.
+CHUNKED_LOSS_BLOCKS = 2
+
+
+def logits(s: Shape, st: Setting) -> int:
+    """The loss's buffer: [tokens, vocab] in the compute dtype, or the chunked loss's blocks of it."""
+    rows = CHUNKED_LOSS_BLOCKS * st.live_sequences * loss_block(st.length) if st.chunked_loss else st.tokens
+    return rows * s.vocab * DTYPE_BYTES[st.dtype]
+
+
+def gathered(s: Shape, st: Setting) -> int:
+    """FSDP over several chips: the LM head and the layer in hand's weights, gathered whole (a
+    quantized base's in its integers: it is dequantized after the gather). A quantized head is
+    rebuilt whole on any number of chips."""
+    e, sharded = DTYPE_BYTES[st.dtype], st.devices > 1 and st.strategy == "fsdp"
+    quantized = st.lora and st.bits > 0
+    head = s.vocab * s.hidden * e if sharded or (quantized and st.quantize_lm_head and not s.tied) else 0
+    weights = sum(o * i for o, i in linears(s).values())
+    layer = (weights * st.bits // 8 if quantized else weights * e) if sharded else 0
+    return head + layer
+
+
+def gradient_copies(s: Shape, st: Setting, trained_elements_per_chip: int) -> int:
+    """Full fine-tuning: every trained element's gradient copy held until the optimizer's update."""
+    return 0 if st.lora else trained_elements_per_chip * GRADIENT_COPY_BYTES
+
+
+def transients(s: Shape, st: Setting, trained_elements_per_chip: int, dequantized: int) -> TpuTransients:
+    return TpuTransients(
+        kept=kept(s, st, st.checkpointing),
+        kept_checkpointed=kept(s, st, True),
+        kept_not_checkpointed=kept(s, st, False),
+        layer=layer_in_hand(s, st),
+        freed_before_recompute=freed_before_recompute(s, st),
+        workspace=backward_workspace(s, st),
+        logits=logits(s, st),
+        gathered=gathered(s, st),
+        gradients=gradient_copies(s, st, trained_elements_per_chip),
+        dequantized=dequantized,
+    )
