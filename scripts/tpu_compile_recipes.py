@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from lowmem_tpu.config import load_recipe
+from lowmem_tpu.config import Recipe, load_recipe
 from lowmem_tpu.config.shipped import describe_shipped
 from lowmem_tpu.console import size
 from lowmem_tpu.errors import UserError
@@ -89,7 +89,7 @@ def _compiled(name: str, device: str, path: Path, recorded: dict | None, timeout
         traced = trace_step(recipe, target, Path(tmp))
         if recorded and recorded.get("program_key") == traced.key:
             print("  the same program as recorded: its figures stand", file=sys.stderr, flush=True)
-            return recorded | {"reused": True}
+            return recorded | _replanned(recipe, device, recorded) | {"reused": True}
         print(f"  compiling for {target.topology}...", file=sys.stderr, flush=True)
         try:
             result = compile_traced(traced, target, Path(tmp), timeout)
@@ -100,6 +100,16 @@ def _compiled(name: str, device: str, path: Path, recorded: dict | None, timeout
             return {"program_key": traced.key, "device": device, "blocked": str(err), "fits": None}
     _, record, _ = compile_beside_plan(recipe, device, result)
     return record | {"program_key": traced.key, "wall_seconds": round(time.perf_counter() - started, 1)}
+
+
+def _replanned(recipe: Recipe, device: str, recorded: dict) -> dict:
+    """The planner's figure beside recorded compiler figures, from the planner as it is now (arithmetic, instant)."""
+    if recorded.get("blocked") or not recorded.get("needed"):
+        return {}
+    from lowmem_tpu.memory.advise import plan_recipe
+
+    planned = plan_recipe(recipe, device).plan.peak
+    return {"planned_peak": planned, "plan_error": (planned - recorded["needed"]) / recorded["needed"]}
 
 
 def _row(name: str, device: str, record: dict) -> str:

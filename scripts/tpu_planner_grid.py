@@ -1,7 +1,8 @@
 """The planner's TPU layout against the TPU compiler (libtpu's compile-only client), over a grid of levers.
 
-    .venv/bin/python scripts/tpu_planner_grid.py [--models tiny,mini] [--devices v5e-8,v5e-1] [--only NAME ...]
-                                                [--json docs/tpu_planner_grid.json]
+    .venv/bin/python scripts/tpu_planner_grid.py [--models tiny,mini,w3b] [--devices v5e-8,v5e-1] [--only NAME ...]
+                                                [--json docs/tpu_planner_grid.json] [--keep DIR]
+    .venv/bin/python scripts/tpu_planner_grid.py --json docs/tpu_planner_grid.json --replan
 
 Each point is ``recipes/tiny_lora_cpu.yaml`` with overrides, its steady step traced with placeholders
 and compiled for the device (``lowmem-tpu memory --compile``), beside the planner's peak for the same
@@ -9,7 +10,9 @@ recipe and device. ``mini`` has Open Llama 3B's proportions (head size 100, MLP 
 32,000) at 4 layers of hidden 400; ``w3b`` is Open Llama 3B itself cut to 4 of its 26 layers, at the shipped
 recipes' batch (32 x 1024 tokens on v5e-8, 4 x 1024 on v5e-1). The whole 3B is the shipped recipes
 (scripts/tpu_compile_recipes.py).
-Prints a markdown table and the worst point; ``--json`` keeps every figure.
+Prints a markdown table and the worst point; ``--json`` keeps every figure (points compiled again replace
+theirs), and ``--replan`` puts the planner as it is now beside the recorded compiler figures, compiling
+nothing (a 3B-width point takes about 5 minutes to compile here, the whole grid hours).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from pathlib import Path
 
 from memory_levers import MINI  # Open Llama 3B's proportions at 4 layers of hidden 400 (scripts/ is on the path)
 
-from lowmem_tpu.config import load_recipe
+from lowmem_tpu.config import Recipe, load_recipe
 from lowmem_tpu.config.devices import DEVICES
 from lowmem_tpu.errors import UserError
 from lowmem_tpu.memory.advise import plan_recipe
@@ -64,62 +67,78 @@ def configs(work: Path) -> dict[str, Path]:
     return dirs
 
 
-def point(model: str, device: str, overrides: list[str], models: dict[str, Path], keep: Path | None = None) -> dict:
-    target = DEVICES[device]
+def recipe_of(model: str, device: str, overrides: list[str], models: dict[str, Path]) -> Recipe:
+    """The grid point's recipe: the tiny recipe in bf16 with the model's shape and the point's levers."""
     shape = [*SHAPES[model]]
     if model in models:
-        shape += [f"model.name_or_path={models[model]}", f"train.global_batch_size={BATCH[model, target.devices]}"]
-    overrides = [*COMMON, *shape, *overrides, "runtime.device=tpu"]
-    recipe = load_recipe(str(ROOT / "recipes" / "tiny_lora_cpu.yaml"), overrides)
-    planned = plan_recipe(recipe, device).plan.peak
+        batch = BATCH[model, DEVICES[device].devices]
+        shape += [f"model.name_or_path={models[model]}", f"train.global_batch_size={batch}"]
+    tiny = str(ROOT / "recipes" / "tiny_lora_cpu.yaml")
+    return load_recipe(tiny, [*COMMON, *shape, *overrides, "runtime.device=tpu"])
+
+
+def planned(row: dict, models: dict[str, Path]) -> dict:
+    """The planner's peak for a row's recipe, from the planner as it is now, and its error against the compiler."""
+    peak = plan_recipe(recipe_of(row["model"], row["device"], row["overrides"], models), row["device"]).plan.peak
+    return row | {"planned": peak, "error": (peak - row["compiled"]) / row["compiled"]}
+
+
+def point(model: str, device: str, overrides: list[str], models: dict[str, Path], keep: Path | None = None) -> dict:
     started = time.perf_counter()
-    compiled = compile_recipe(recipe, target, keep=keep)
-    return {
-        "planned": planned,
-        "compiled": compiled.needed,
-        "error": (planned - compiled.needed) / compiled.needed,
-        "arguments": compiled.arguments,
-        "temporaries": compiled.temporaries,
-        "seconds": round(time.perf_counter() - started, 1),
-    }
+    compiled = compile_recipe(recipe_of(model, device, overrides, models), DEVICES[device], keep=keep)
+    row = {"model": model, "device": device, "overrides": overrides, "compiled": compiled.needed}
+    row |= {"arguments": compiled.arguments, "temporaries": compiled.temporaries, "resident": compiled.resident}
+    return planned(row | {"seconds": round(time.perf_counter() - started, 1)}, models)
+
+
+def print_row(row: dict) -> None:
+    mib = 2**20
+    print(
+        f"| {row['model']} | {row['device']} | {row['point']} | {row['planned'] / mib:.1f} MiB "
+        f"| {row['compiled'] / mib:.1f} MiB | {row['error']:+.1%} |",
+        flush=True,
+    )
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", default="tiny,mini")
+    parser.add_argument("--models", default="tiny,mini,w3b")
     parser.add_argument("--devices", default="v5e-8,v5e-1")
     parser.add_argument("--only", nargs="*", default=None)
-    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--json", type=Path, default=None, help="the grid's figures (compiled points replace theirs)")
+    parser.add_argument("--replan", action="store_true", help="compile nothing: re-plan every point in --json")
     parser.add_argument("--keep", type=Path, default=None, help="keep each point's trace and TPU dumps under DIR")
     args = parser.parse_args()
     models = configs(Path(tempfile.mkdtemp(prefix="lowmem-grid-")))
-    rows = []
+    recorded = json.loads(args.json.read_text()) if args.json and args.json.exists() else []
+    grid = {(r["model"], r["device"], r["point"]): r for r in recorded}
     print("| model | device | point | planner | TPU compiler | error |")
     print("|---|---|---|---|---|---|")
-    for model in args.models.split(","):
+    if args.replan:
+        grid = {key: planned(row, models) for key, row in grid.items()}
+        for row in grid.values():
+            print_row(row)
+    for model in [] if args.replan else args.models.split(","):
         for device in args.devices.split(","):
             for name, overrides in POINTS.items():
                 if args.only is not None and name not in args.only:
                     continue
+                label = f"{model}-{device}-{name}".replace(" ", "").replace(",", "-")
                 try:
-                    label = f"{model}-{device}-{name}".replace(" ", "").replace(",", "-")
-                    keep = args.keep / label if args.keep else None
-                    row = point(model, device, overrides, models, keep)
+                    row = point(model, device, overrides, models, args.keep / label if args.keep else None)
                 except UserError as err:
                     print(f"| {model} | {device} | {name} | error: {err} | | |", flush=True)
                     continue
-                rows.append({"model": model, "device": device, "point": name, "overrides": overrides} | row)
+                grid[model, device, name] = row | {"point": name}
+                print_row(grid[model, device, name])
                 if args.json:  # every point as it comes: a long grid stopped early keeps what it measured
-                    args.json.write_text(json.dumps(rows, indent=2) + "\n")
-                mib = 2**20
-                print(
-                    f"| {model} | {device} | {name} | {row['planned'] / mib:.1f} MiB | {row['compiled'] / mib:.1f} MiB "
-                    f"| {row['error']:+.1%} |",
-                    flush=True,
-                )
+                    args.json.write_text(json.dumps(list(grid.values()), indent=2) + "\n")
+    rows = list(grid.values())
     if rows:
-        worst = max(rows, key=lambda r: abs(r["error"]))
-        print(f"\nworst: {worst['model']} on {worst['device']}, {worst['point']}: {worst['error']:+.1%}")
+        for label, chosen in (("worst", rows), ("worst beyond tiny", [r for r in rows if r["model"] != "tiny"])):
+            if chosen:
+                worst = max(chosen, key=lambda r: abs(r["error"]))
+                print(f"{label}: {worst['model']} on {worst['device']}, {worst['point']}: {worst['error']:+.1%}")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
     return 0

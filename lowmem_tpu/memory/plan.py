@@ -403,7 +403,7 @@ def tpu_plan(s: Shape, st: Setting, capacity: int) -> Plan:
     weights, gradients = _bytes(params, st, tiled=True), _bytes(trainable, st, tiled=True)
     optimizer = optimizer_bytes(trainable, st, tiled=True)
     elements = sum(shard_numel(t.shape, st.strategy, st.devices) for t in trainable)
-    t = tpu_layout.transients(s, st, elements, dequantized_bytes(s, st))
+    t = tpu_layout.transients(s, st, elements)
     dropout = dropout_masks(s, st, "tpu")
     peak = weights + optimizer + gradients + t.peak + dropout
     return Plan(

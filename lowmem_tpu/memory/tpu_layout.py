@@ -8,13 +8,16 @@ v5e; ``scripts/tpu_planner_grid.py``, docs/memory.md), which differ from XLA:CPU
 - the loss is fused into the LM head: one [tokens, vocab] buffer in the compute dtype, no fp32
   copies; ``train.chunked_loss`` keeps two blocks' logits (mini, v5e-8: 96 MiB against 185 without
   it; it was 346 while its top-1 hits took an argmax, see ``model.loss``);
+- chunked attention (``model.attn_implementation: chunked``, plain PyTorch) keeps every block of
+  keys' fp32 scores at once in the layer in hand: more than eager attention; ``flash`` is the lever;
 - a checkpointed decoder layer keeps ``KEPT_PER_LAYER`` hidden-sized tensors per token (the slope
   from 4 to 26 layers of Open Llama 3B: 2.6 under FSDP over 8 chips, 5.0 on one chip);
 - the layer being recomputed holds its activations, its probabilities, the MLP's gradients in
   fp32 (three [tokens, intermediate]) and, under FSDP over several chips, its gathered weights and
   the gathered head;
-- full fine-tuning keeps every layer's gradient and an fp32 copy of it until the optimizer runs
-  (the same 4 -> 26 layer slope).
+- a quantized base keeps about 1.5 layers of dequantized weights beyond what a bf16 base holds;
+- full fine-tuning keeps every layer's gradient and more than an fp32 copy of it until the
+  optimizer runs (the same 4 -> 26 layer slope).
 
 Every buffer sits in one arena whose span, not the bytes live at one moment, is what the chip
 must hold, so the counts here are of the arena. Shards are padded to the chip's tiles
@@ -32,14 +35,17 @@ from lowmem_tpu.memory.shape import Setting, Shape, linears
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 # Hidden-sized tensors per token a checkpointed layer keeps (libtpu 0.0.21, Open Llama 3B, 4 -> 26 layers).
 KEPT_PER_LAYER = {"sharded": 2.6, "one chip": 5.0}
-# Per token of the layer in hand: hidden-sized and intermediate-sized tensors in the compute dtype,
-# and the MLP's fp32 gradients (intermediate-sized): Open Llama 3B at 4 layers.
-RECOMPUTED_HIDDEN, RECOMPUTED_INTERMEDIATE, MLP_GRADIENTS_FP32 = 9, 1, 3
+# Per token of the layer in hand: hidden-sized and intermediate-sized tensors in the compute dtype
+# (Open Llama 3B at 4 layers), and the MLP's fp32 gradients, intermediate-sized: two live at the
+# peak across chips, three on one (the buffers live at the compiler's peak, 8 chips and 1).
+RECOMPUTED_HIDDEN, RECOMPUTED_INTERMEDIATE = 9, 1
+MLP_GRADIENTS_FP32 = {"sharded": 2, "one chip": 3}
 # A layer that is not checkpointed keeps these per token (mini, 4 layers, the compiler's buffers).
 KEPT_HIDDEN, KEPT_INTERMEDIATE = 7.5, 3
-# Bytes per trained element of each layer held until the optimizer runs: the gradient in the
-# compute dtype and its fp32 copy (full fine-tuning, Open Llama 3B, 4 -> 26 layers).
-GRADIENT_COPY_BYTES = 4
+# Bytes per trained element held until the optimizer runs, beyond its gradient in the compute dtype:
+# an fp32 copy and part of the update (full fine-tuning with fp32 master weights and Adafactor: the
+# 4 -> 26 layer slope of Open Llama 3B on v5e-8 gives 6.9, the 7B on v5e-16 about 4; 5 is between).
+GRADIENT_COPY_BYTES = 5
 
 
 @dataclass(frozen=True)
@@ -65,10 +71,25 @@ class TpuTransients:
         return max(loss_phase, layer_phase) + self.gathered + self.gradients + self.dequantized
 
 
+def _spread(st: Setting) -> str:
+    return "sharded" if st.devices > 1 and st.strategy == "fsdp" else "one chip"
+
+
+# Chunked attention (plain PyTorch) in the layer in hand on a TPU: fp32 [sequences, heads, length, 128]
+# blocks in two layouts for every block of keys at once, i.e. two fp32 [length, length] (Open Llama
+# 3B's width at 4 layers, v5e-8: 17 such blocks live at the peak, 2.27 GiB per chip against 1.73 eager).
+CHUNKED_ATTENTION_FP32_SCORES = 2
+
+
 def probabilities(s: Shape, st: Setting) -> int:
-    """The softmax's probabilities of one layer, in the compute dtype: [sequences, heads, length, keys]."""
-    keys = min(128, st.length) if st.attention in ("chunked", "flash") else st.length
-    return st.live_sequences * s.heads * st.length * keys * DTYPE_BYTES[st.dtype]
+    """The softmax's probabilities of one layer: [sequences, heads, length, keys] in the compute dtype for
+    eager/sdpa, one block of 128 keys for flash; chunked attention's blocks, all of them in fp32."""
+    scores = st.live_sequences * s.heads * st.length
+    if st.attention == "flash":
+        return scores * min(128, st.length) * DTYPE_BYTES[st.dtype]
+    if st.attention == "chunked":
+        return scores * st.length * 4 * CHUNKED_ATTENTION_FP32_SCORES
+    return scores * st.length * DTYPE_BYTES[st.dtype]
 
 
 def layer_kept(s: Shape, st: Setting) -> int:
@@ -82,14 +103,15 @@ def kept(s: Shape, st: Setting, checkpointing: bool) -> int:
     if not checkpointing:
         return s.layers * layer_kept(s, st)
     recomputed = -(-s.layers // st.checkpoint_every)
-    per = KEPT_PER_LAYER["sharded" if st.devices > 1 and st.strategy == "fsdp" else "one chip"]
+    per = KEPT_PER_LAYER[_spread(st)]
     hidden = st.tokens * s.hidden * DTYPE_BYTES[st.dtype]
     return int(recomputed * per * hidden) + (s.layers - recomputed) * layer_kept(s, st)
 
 
 def backward_workspace(s: Shape, st: Setting) -> int:
     """A layer's gradient buffers: the MLP's in fp32 and the probabilities'."""
-    return MLP_GRADIENTS_FP32 * st.tokens * s.intermediate * 4 + probabilities(s, st)
+    mlp = MLP_GRADIENTS_FP32[_spread(st)]
+    return mlp * st.tokens * s.intermediate * 4 + probabilities(s, st)
 
 
 def layer_in_hand(s: Shape, st: Setting) -> int:
@@ -106,6 +128,19 @@ def freed_before_recompute(s: Shape, st: Setting) -> int:
         return 0
     last = st.checkpoint_every * (-(-s.layers // st.checkpoint_every) - 1)
     return (s.layers - 1 - last) * layer_kept(s, st)
+
+
+# A quantized base: layers' worth of dequantized weights (whole, compute dtype) live at the peak
+# beyond a bf16 base's: 1.43 on Open Llama 3B's width (v5e-8, int4), 1.7 on 7B's (v5e-1, int4).
+DEQUANTIZED_LAYERS = 1.5
+
+
+def dequantized(s: Shape, st: Setting) -> int:
+    """The dequantized weights a quantized base keeps live at the peak, per chip (whole layers: each
+    projection is dequantized after its gather)."""
+    if not (st.lora and st.bits > 0):
+        return 0
+    return int(DEQUANTIZED_LAYERS * sum(o * i for o, i in linears(s).values()) * DTYPE_BYTES[st.dtype])
 
 
 # Blocks of logits ([sequences, block, vocab], compute dtype) the chunked loss holds at once.
@@ -135,7 +170,7 @@ def gradient_copies(s: Shape, st: Setting, trained_elements_per_chip: int) -> in
     return 0 if st.lora else trained_elements_per_chip * GRADIENT_COPY_BYTES
 
 
-def transients(s: Shape, st: Setting, trained_elements_per_chip: int, dequantized: int) -> TpuTransients:
+def transients(s: Shape, st: Setting, trained_elements_per_chip: int) -> TpuTransients:
     return TpuTransients(
         kept=kept(s, st, st.checkpointing),
         kept_checkpointed=kept(s, st, True),
@@ -146,5 +181,5 @@ def transients(s: Shape, st: Setting, trained_elements_per_chip: int, dequantize
         logits=logits(s, st),
         gathered=gathered(s, st),
         gradients=gradient_copies(s, st, trained_elements_per_chip),
-        dequantized=dequantized,
+        dequantized=dequantized(s, st),
     )

@@ -20,39 +20,13 @@ from typing import Any
 import torch
 
 from lowmem_tpu.config.rules import loss_block
+from lowmem_tpu.model.ordering import after
 
 IGNORE = -100
 
 
 def _blocks(length: int, chunk: int) -> list[tuple[int, int]]:
     return [(start, min(start + chunk, length)) for start in range(0, length, chunk)]
-
-
-_barrier: Any = None
-
-
-def provide_barrier(barrier: Any) -> None:
-    """The runtime (``xla``) hands over XLA's optimization barrier: ``barrier(list)`` in place."""
-    global _barrier
-    _barrier = barrier
-
-
-def _after(tensor: torch.Tensor, done: torch.Tensor | None) -> torch.Tensor:
-    """``tensor``, made to wait for ``done`` (a scalar of the previous block): one block at a time.
-
-    XLA would otherwise compute every block's [batch, block, vocab] logits at once (measured on
-    the CPU compiler: all 8 live together, which undoes the chunking). An optimization barrier
-    (the runtime hands it over; a TPU keeps it) orders them; XLA:CPU drops barriers, so the block also depends on
-    ``done`` through ``+ 0 * done``, which XLA does not fold for floats (0 * inf is NaN).
-    """
-    if done is None:
-        return tensor
-    tensor = tensor + (done.detach() * 0).to(tensor.dtype)
-    if _barrier is not None and tensor.device.type == "xla":
-        tied = [tensor, done]
-        _barrier(tied)
-        tensor = tied[0]
-    return tensor
 
 
 class ChunkedCrossEntropy(torch.autograd.Function):
@@ -67,7 +41,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         correct = hidden.new_zeros((), dtype=torch.float32)
         for start, stop in _blocks(hidden.shape[1], chunk):
             y = labels[:, start:stop]
-            h = _after(hidden[:, start:stop], total + correct if start else None)
+            h = after(hidden[:, start:stop], total + correct if start else None)
             logits = torch.matmul(h, weight.t()).float()  # [batch, block, vocab]
             keep = y != IGNORE
             target = logits.gather(-1, y.clamp(min=0).unsqueeze(-1)).squeeze(-1)
@@ -90,7 +64,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight else None
         for start, stop in _blocks(hidden.shape[1], ctx.chunk):
             h, y = hidden[:, start:stop], labels[:, start:stop]
-            h = _after(h, grad_hidden[-1].sum() if grad_hidden else None)
+            h = after(h, grad_hidden[-1].sum() if grad_hidden else None)
             keep = (y != IGNORE).unsqueeze(-1)
             # (2h) @ weight^T / 2 (exact: a power of two): another expression than the forward's
             # h @ weight^T, so XLA cannot merge the two and keep every block's forward logits alive

@@ -107,9 +107,9 @@ def setup_runtime(cfg: RuntimeSection) -> Runtime:
     device = torch_xla.device()
     assert isinstance(device, torch.device)
     kind = device_kind(platform)
-    from lowmem_tpu.model.loss import provide_barrier
+    from lowmem_tpu.model.ordering import provide_barrier
 
-    provide_barrier(xm.optimization_barrier_)  # the chunked loss's blocks, one after another
+    provide_barrier(xm.optimization_barrier_)  # the chunked loss's and attention's blocks, in turn
     if platform == "TPU":
         _join_hosts(xr)
         _check_target(cfg.target, kind, num_devices)
