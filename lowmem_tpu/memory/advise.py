@@ -238,13 +238,19 @@ def plan_rows(plan: Plan) -> list[tuple[str, int]]:
         ),
         (f"logits / loss buffers ({_loss_kind(st)})", plan.logits),
         (f"XLA workspace (LM head{' and a layer' if plan.layout == 'tpu' else ''} gathered)", plan.workspace),
-        *([(f"dequantized weights ({st.dtype}, transient)", plan.dequantized)] if plan.dequantized else []),
+        *([(_quantized_label(plan), plan.dequantized)] if plan.dequantized else []),
     ]
     if not st.lora:
         whole = " all-reduced whole (CPU)" if plan.layout == "cpu" and st.devices > 1 else ""
         tail = " + 1 layer" if plan.layout == "cpu" else " and their copies for the optimizer"
         rows.append((f"end of backward: gradients{whole}{tail}", plan.gradient_phase))
     return [*rows, ("peak", plan.peak), ("margin for XLA workspace (10% + 256 MiB)", plan.margin)]
+
+
+def _quantized_label(plan: Plan) -> str:
+    if plan.layout == "tpu":  # what the TPU compiler keeps beyond a bf16 base: see memory.tpu_layout
+        return "a quantized base's extra activations (every layer)"
+    return f"dequantized weights ({plan.setting.dtype}, transient)"
 
 
 def gib(n: float) -> str:

@@ -310,7 +310,7 @@ class Plan:
     logits: int
     workspace: int  # the LM head gathered whole for the logits (FSDP, more than one device); TPU: and a layer
     gradient_phase: int  # gradients at the end of the backward pass (CPU: all-reduced whole, not sharded)
-    dequantized: int  # a quantized base's transient: dequantized weights live at the peak (see dequantized_bytes)
+    dequantized: int  # a quantized base's transient (CPU: dequantized weights; TPU: its layers' extra activations)
     peak: int
     margin: int
     capacity: int  # memory per device
