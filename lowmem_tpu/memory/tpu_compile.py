@@ -113,6 +113,8 @@ def trace_step(recipe: Recipe, device: Device, work: Path, timeout: float = 3600
     from lowmem_tpu.memory.measure import spawn_step, with_user_flags
 
     n = device.devices
+    if recipe.sharding.scan_layers and importlib.util.find_spec("torchax") is None:  # checked before a child fails
+        raise UserError("sharding.scan_layers: needs jax and torchax; install them with: make install-scan")
     dump = work / "trace"
     dump.mkdir(parents=True, exist_ok=True)
     # Checked as the TPU run it stands for (flash is a TPU field); the child traces it on the CPU.
