@@ -217,7 +217,9 @@ class ShardingSection(Section):
     scan_layers: bool = Field(
         False,
         description="Compile one decoder layer and scan it over all layers (torch_xla scan_layers): "
-        "less compile time for deep models; stacks the layer weights (+1 copy of the layer weights, sharded).",
+        "less compile time for deep models; stacks the layer weights (+1 copy of the layer weights, sharded). "
+        "The TPU compiler refuses the 3B LoRA step with it on v5e-8 (34 GiB per chip, 3.74 unrolled): not for a "
+        "TPU yet (docs/tpu_compiler.md).",
     )
     layer_class: str | None = Field(
         None, description="Decoder layer class to wrap and checkpoint (default: the model's own decoder layer)."
