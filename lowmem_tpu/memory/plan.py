@@ -28,7 +28,7 @@ from lowmem_tpu.memory.cpu_layout import (  # noqa: F401  (the planner's names, 
     quantized,
 )
 from lowmem_tpu.memory.shape import Setting, Shape, linears
-from lowmem_tpu.memory.tiles import tpu_shard_bytes
+from lowmem_tpu.memory.tiles import shard_shape, tpu_shard_bytes
 
 # ----------------------------------------------------------------------------- parameters and persistent state
 
@@ -90,10 +90,7 @@ def parameters(s: Shape, st: Setting) -> list[Tensor]:
 
 def shard_numel(shape: tuple[int, ...], strategy: str, devices: int) -> int:
     """Elements per device: FSDP splits the largest dimension (the first of equals), XLA pads uneven shards."""
-    if strategy != "fsdp" or not shape:
-        return math.prod(shape)
-    axis = max(range(len(shape)), key=lambda i: shape[i])
-    return math.prod(math.ceil(d / devices) if i == axis else d for i, d in enumerate(shape))
+    return math.prod(shard_shape(shape, strategy, devices))
 
 
 def _bytes(tensors: list[Tensor], st: Setting, tiled: bool = False) -> int:
@@ -232,7 +229,7 @@ def tpu_plan(s: Shape, st: Setting, capacity: int) -> Plan:
     """Plan one setting as libtpu's compiler lays the step out (:mod:`lowmem_tpu.memory.tpu_layout`).
 
     peak = weights + optimizer + gradients + max(loss phase, layer phase) + gathered weights
-           + full fine-tuning's gradient copies + a quantized base's dequantized weights + dropout's bits
+           + full fine-tuning's gradient copies + a quantized base's extra activations + dropout's bits
     """
     params = parameters(s, st)
     trainable = [p for p in params if p.trainable]

@@ -13,8 +13,8 @@ v5e; ``scripts/tpu_planner_grid.py``, docs/memory.md), which differ from XLA:CPU
 - a checkpointed decoder layer keeps ``KEPT_PER_LAYER`` hidden-sized tensors per token (the slope
   from 4 to 26 layers of Open Llama 3B: 2.6 under FSDP over 8 chips, 5.0 on one chip);
 - the layer being recomputed holds its activations, its probabilities, the MLP's gradients in
-  fp32 (three [tokens, intermediate]) and, under FSDP over several chips, its gathered weights and
-  the gathered head;
+  fp32 (two [tokens, intermediate] across chips, three on one) and, under FSDP over several
+  chips, its gathered weights and the gathered head;
 - a quantized base keeps 5.3 more hidden-sized tensors per token in every layer than a bf16 base
   (Open Llama 3B int4 on v5e-8: 6.39 GiB per chip against 3.74 for the bf16 base);
 - full fine-tuning keeps every layer's gradient and more than an fp32 copy of it until the
@@ -22,8 +22,8 @@ v5e; ``scripts/tpu_planner_grid.py``, docs/memory.md), which differ from XLA:CPU
 
 Every buffer sits in one arena whose span, not the bytes live at one moment, is what the chip
 must hold, so the counts here are of the arena. Shards are padded to the chip's tiles
-(:mod:`lowmem_tpu.memory.tiles`). Small models are overestimated: the compiler then keeps
-mid-sized buffers in the chip's on-chip memory, which is not HBM.
+(:mod:`lowmem_tpu.memory.tiles`). Small models are planned poorly, either way: the compiler then
+keeps mid-sized buffers in the chip's on-chip memory, which is not HBM, and its fixed costs dominate.
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lowmem_tpu.config.rules import loss_block
+from lowmem_tpu.memory.cpu_layout import DTYPE_BYTES, quantized
 from lowmem_tpu.memory.shape import Setting, Shape, linears
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 # Hidden-sized tensors per token a checkpointed layer keeps (libtpu 0.0.21, Open Llama 3B, 4 -> 26 layers).
 KEPT_PER_LAYER = {"sharded": 2.6, "one chip": 5.0}
 # Per token of the layer in hand: hidden-sized and intermediate-sized tensors in the compute dtype
@@ -139,7 +139,7 @@ QUANTIZED_KEPT_PER_LAYER = 5.3
 
 def dequantized(s: Shape, st: Setting) -> int:
     """What a quantized base keeps beyond a bf16 base's activations, per chip: every layer's extra copies."""
-    if not (st.lora and st.bits > 0):
+    if not quantized(st):
         return 0
     return int(s.layers * QUANTIZED_KEPT_PER_LAYER * st.tokens * s.hidden * DTYPE_BYTES[st.dtype])
 
@@ -158,11 +158,10 @@ def gathered(s: Shape, st: Setting) -> int:
     """FSDP over several chips: the LM head and the layer in hand's weights, gathered whole (a
     quantized base's in its integers: it is dequantized after the gather). A quantized head is
     rebuilt whole on any number of chips."""
-    e, sharded = DTYPE_BYTES[st.dtype], st.devices > 1 and st.strategy == "fsdp"
-    quantized = st.lora and st.bits > 0
-    head = s.vocab * s.hidden * e if sharded or (quantized and st.quantize_lm_head and not s.tied) else 0
+    e, sharded, base = DTYPE_BYTES[st.dtype], st.devices > 1 and st.strategy == "fsdp", quantized(st)
+    head = s.vocab * s.hidden * e if sharded or (base and st.quantize_lm_head and not s.tied) else 0
     weights = sum(o * i for o, i in linears(s).values())
-    layer = (weights * st.bits // 8 if quantized else weights * e) if sharded else 0
+    layer = (weights * st.bits // 8 if base else weights * e) if sharded else 0
     return head + layer
 
 
