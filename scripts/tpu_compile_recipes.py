@@ -26,7 +26,14 @@ from lowmem_tpu.config import Recipe, load_recipe
 from lowmem_tpu.config.shipped import describe_shipped
 from lowmem_tpu.console import size
 from lowmem_tpu.errors import UserError
-from lowmem_tpu.memory.tpu_compile import compile_beside_plan, compile_target, compile_traced, trace_step
+from lowmem_tpu.memory.tpu_compile import (
+    HostMemoryExhausted,
+    compile_beside_plan,
+    compile_target,
+    compile_traced,
+    trace_step,
+)
+from lowmem_tpu.memory.tpu_layers import compile_points, extrapolate, layers_of
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_TARGETS = ("v5e-8", "v5e-1")
@@ -47,8 +54,15 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "tpu_compile.json")
     parser.add_argument("--check", action="store_true", help="exit 1 when a shipped recipe does not fit its target")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds one compile may take here")
+    parser.add_argument(
+        "--line-check",
+        action="store_true",
+        help="compile --only recipes at 2 and 4 layers: the line's error against their whole compile in --out",
+    )
     args = parser.parse_args()
     recorded = json.loads(args.out.read_text()) if args.out.exists() else {}
+    if args.line_check:
+        return line_check(args.only or [], recorded, args.timeout)
     rows, records, failed, blocked = [], {}, [], []
     for name, device, path in targets():
         if args.only is not None and name not in args.only:
@@ -90,16 +104,50 @@ def _compiled(name: str, device: str, path: Path, recorded: dict | None, timeout
         if recorded and recorded.get("program_key") == traced.key:
             print("  the same program as recorded: its figures stand", file=sys.stderr, flush=True)
             return recorded | _replanned(recipe, device, recorded) | {"reused": True}
-        print(f"  compiling for {target.topology}...", file=sys.stderr, flush=True)
+        whole_too_big = (recorded or {}).get("whole_blocked")  # known: straight to the layers
         try:
+            if whole_too_big:
+                raise HostMemoryExhausted(whole_too_big)
+            print(f"  compiling for {target.topology}...", file=sys.stderr, flush=True)
             result = compile_traced(traced, target, Path(tmp), timeout)
+            extra = {}
+        except HostMemoryExhausted as err:
+            print(f"  {err}\n  compiling 2 and 4 layers, extrapolated...", file=sys.stderr, flush=True)
+            points = compile_points(recipe, target, Path(tmp) / "layers", timeout)
+            result = extrapolate(points, layers_of(recipe))
+            extra = {"whole_blocked": str(err), "layers": {n: _point(p) for n, p in points.items()}}
         except UserError as err:
-            if "host RAM" not in str(err) and "took over" not in str(err):
+            if "took over" not in str(err):
                 raise
             # Not a verdict on the recipe: this machine cannot run the compiler for it. Said, not failed.
             return {"program_key": traced.key, "device": device, "blocked": str(err), "fits": None}
     _, record, _ = compile_beside_plan(recipe, device, result)
-    return record | {"program_key": traced.key, "wall_seconds": round(time.perf_counter() - started, 1)}
+    return record | extra | {"program_key": traced.key, "wall_seconds": round(time.perf_counter() - started, 1)}
+
+
+def line_check(names: list[str], recorded: dict, timeout: float) -> int:
+    """How far the 2- and 4-layer line lands from recipes compiled whole (the check of the extrapolation)."""
+    print("| recipe | target | whole step, compiled | the line through 2 and 4 layers | error |")
+    print("|---|---|---|---|---|")
+    for name, device, path in targets():
+        whole = recorded.get(f"{name}@{device}", {})
+        if name not in names or not whole.get("needed") or whole.get("extrapolated_from"):
+            continue
+        recipe = load_recipe(str(path), ["runtime.device=tpu"])
+        with tempfile.TemporaryDirectory(prefix="lowmem-line-") as tmp:
+            points = compile_points(recipe, compile_target(device), Path(tmp), timeout)
+        line = extrapolate(points, layers_of(recipe)).needed
+        error = (line - whole["needed"]) / whole["needed"]
+        print(f"| {name} | {device} | {size(whole['needed'])} | {size(line)} | {error:+.1%} |", flush=True)
+        for n, point in points.items():
+            print(f"  {n} layers: {size(point.needed)}, host peak {size(point.host_peak_rss_bytes)}", file=sys.stderr)
+    return 0
+
+
+def _point(result) -> dict:
+    """One compile at fewer layers, as the record keeps it."""
+    keys = ("needed", "arguments", "temporaries", "compile_seconds", "host_peak_rss_bytes")
+    return {key: getattr(result, key) for key in keys}
 
 
 def _replanned(recipe: Recipe, device: str, recorded: dict) -> dict:
@@ -116,6 +164,8 @@ def _row(name: str, device: str, record: dict) -> str:
     if record.get("blocked"):
         return f"| {name} | {device} | not compiled here: {record['blocked'].split(':')[0]} | | | |"
     verdict = "fits" if record["fits"] else "**does not fit**"
+    if record.get("extrapolated_from"):
+        verdict += " (extrapolated from {} and {} layers)".format(*record["extrapolated_from"])
     error = f"{record['plan_error']:+.0%}" if record.get("plan_error") is not None else "n/a"
     return (
         f"| {name} | {device} | {size(record['needed'])} of {size(record['capacity'])}: {verdict} "

@@ -186,3 +186,24 @@ def test_full_fine_tuning_in_bf16_traces_with_its_fp32_master_weights():
     # fp32 master and AdamW's two moments; about 0.67 M weights, 2 + 4 + 8 bytes each, a quarter per chip.
     assert r["fits"] and r["placeholders"] == 4 * 39 and r["arguments"] > 0.67e6 * (2 + 4 + 8) / 4
     assert r["aliased"] > 0.9 * r["outputs"]
+
+
+def test_a_step_too_big_to_compile_here_is_the_line_through_2_and_4_layers(tmp_path):
+    from lowmem_tpu.config import load_recipe
+    from lowmem_tpu.memory.tpu_layers import cut, extrapolate, layers_of
+
+    recipe = load_recipe("recipes/open_llama_7b_qlora.yaml", ["runtime.device=tpu"])
+    two = cut(recipe, 2, tmp_path)
+    assert layers_of(recipe) == 32 and layers_of(two) == 2 and two.model.quantize == "int4"
+    assert json.loads((tmp_path / "layers-2" / "config.json").read_text())["hidden_size"] == 4096
+
+    base = TpuCompile("v5e-1", "v5e:1x1", 1, 1000, "0.0.21", "TPU v5 lite", 1.0, 2.0, 50, 30, 28)
+    a = replace(base, arguments=20, outputs=10, aliased=8, temporaries=30, cost={"flops": 2.0})
+    b = replace(base, arguments=36, outputs=18, aliased=14, temporaries=40, cost={"flops": 4.0}, host_peak_rss_bytes=90)
+    whole = extrapolate({4: b, 2: a}, 32)  # per layer: 8 + 4 - 3 + 5 = 14 needed, from 52 at 2 layers
+    assert whole.needed == a.needed + 30 * 14 == 472 and whole.fits and whole.extrapolated_from == (2, 4)
+    assert whole.arguments == 260 and whole.cost["flops"] == 32.0
+    assert whole.compile_seconds == 4.0 and whole.host_peak_rss_bytes == 90  # what was spent here, not a guess
+    assert "extrapolated: the whole step was too big to compile" in format_compile(whole, 480, {}, None)
+    refused = replace(b, refused=out_of_memory("Ran out of memory in memory space hbm. Used 20.00G of 15.75G hbm."))
+    assert not extrapolate({2: a, 4: refused}, 32).fits  # too big at 4 layers: too big at 32

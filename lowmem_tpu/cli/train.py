@@ -182,7 +182,12 @@ def _compile(recipe: str | None, overrides: list[str] | None, device: str | None
         require_compiler()
         where = f"{target.devices} CPU device(s)"
         typer.echo(f"tracing the step on {where}, then compiling it for {target.name}...", err=True)
-        result, record, text = compile_beside_plan(loaded, target.name)
+        from lowmem_tpu.memory.advise import plan_recipe
+        from lowmem_tpu.memory.tpu_layers import compile_or_extrapolate
+
+        plan_recipe(loaded, target.name)  # a batch the chips do not split is refused before any compile
+        compiled = compile_or_extrapolate(loaded, target)
+        result, record, text = compile_beside_plan(loaded, target.name, compiled)
     except UserError as err:
         fail(err)
     if as_json:

@@ -65,6 +65,7 @@ class TpuCompile:
     compiler_stats: dict[str, int] = field(default_factory=dict)  # get_compiled_memory_stats(), as reported
     refused: OutOfMemory | None = None
     error: str | None = None
+    extrapolated_from: tuple[int, ...] = ()  # layer counts compiled, when the whole step was too big to compile here
 
     @property
     def needed(self) -> int:
@@ -236,7 +237,7 @@ def _compile(request: dict[str, Any], work: Path, dump: Path, timeout: float) ->
         peak, stopped = _watch(child, timeout)
     result = work / "tpu.json"
     if stopped:
-        raise UserError(
+        raise HostMemoryExhausted(
             f"the TPU compiler needed more host RAM than this machine has (stopped at {size(peak)} with less "
             f"than {size(LOW_MEMORY)} of {size(host_memory())} left): compile on a machine with more memory"
         )
@@ -244,6 +245,10 @@ def _compile(request: dict[str, Any], work: Path, dump: Path, timeout: float) ->
         tail = "\n".join((work / "tpu.log").read_text().splitlines()[-20:])
         raise UserError(f"the TPU compiler failed (exit {child.returncode}):\n{tail}")
     return json.loads(result.read_text()) | {"host_peak_rss_bytes": peak}
+
+
+class HostMemoryExhausted(UserError):
+    """This machine's RAM ran out under the TPU compiler: not a verdict on the program."""
 
 
 LOW_MEMORY = 1 * 2**30  # stop the compiler when the host has less than this left (before the OOM killer)

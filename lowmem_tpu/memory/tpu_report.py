@@ -48,6 +48,9 @@ def compile_json(result: TpuCompile, planned_peak: int | None, cost: dict[str, A
     """``--json``: every figure in bytes, the verdict, and the plan's error against the compiler."""
     out = asdict(result) | {"needed": result.needed, "fits": result.fits, "cost_bounds": cost}
     out["source"] = "the TPU compiler (libtpu compile-only) on the step traced on the CPU backend: not a run"
+    if result.extrapolated_from:
+        low, high = result.extrapolated_from
+        out["source"] += f"; extrapolated along the layers from compiles at {low} and {high} layers"
     if planned_peak is not None and result.error is None:
         out["planned_peak"] = planned_peak
         out["plan_error"] = (planned_peak - result.needed) / result.needed if result.needed else None
@@ -61,6 +64,12 @@ def format_compile(result: TpuCompile, planned_peak: int | None, cost: dict[str,
     lines = [f"the TPU compiler (libtpu {result.libtpu}) for {target}, per chip:"]
     if result.error:
         return "\n".join([*lines, f"  the compiler failed: {result.error[:600]}"])
+    if result.extrapolated_from:
+        low, high = result.extrapolated_from
+        lines.append(
+            f"  extrapolated: the whole step was too big to compile on this machine; the compiles at {low} and "
+            f"{high} layers, extended along the line through them to the model's layers"
+        )
     if result.resident:
         lines.append(
             "  gradient accumulation: this is the first micro-batch's program (forward and backward); the "

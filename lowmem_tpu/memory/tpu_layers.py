@@ -1,0 +1,115 @@
+"""A step too large to compile here, compiled at 2 and 4 decoder layers and extrapolated (said so).
+
+libtpu's host RAM grows with the program's per-chip buffers (Open Llama 3B's LoRA step on one v5e
+chip: 20.2 GiB), so a 7B or 70B step can need more than a small machine has. The traced step is
+unrolled, one copy per decoder layer, so each figure of a chip (arguments, outputs, aliased,
+temporaries) is a fixed part plus the same amount per layer: the line through the 2- and 4-layer
+compiles of the same recipe gives its figures at the recipe's layer count. On Open Llama 3B
+(26 layers) the line lands within 1% of the whole compile (docs/tpu_compiler.md, "Compiled at fewer layers").
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from dataclasses import fields, replace
+from pathlib import Path
+from typing import Any
+
+from lowmem_tpu.config import Recipe
+from lowmem_tpu.config.devices import Device
+from lowmem_tpu.errors import UserError
+from lowmem_tpu.memory.tpu_compile import (
+    HostMemoryExhausted,
+    TpuCompile,
+    TracedStep,
+    compile_recipe,
+    compile_traced,
+    trace_step,
+)
+
+LAYERS = (2, 4)
+# Figures that are a fixed part plus a part per layer; the rest (the target, the versions) are the points'.
+LINEAR = ("arguments", "outputs", "aliased", "temporaries", "scratch", "host", "resident", "generated_code")
+LINEAR_RUN = ("placeholders", "donated")
+
+
+def layers_of(recipe: Recipe) -> int:
+    return int(_config(recipe)["num_hidden_layers"])
+
+
+def cut(recipe: Recipe, layers: int, work: Path) -> Recipe:
+    """The recipe on a copy of its model's config with ``layers`` decoder layers (a config only: no weights)."""
+    from lowmem_tpu.memory.measure import load_recipe_text
+
+    where = work / f"layers-{layers}"
+    where.mkdir(parents=True, exist_ok=True)
+    (where / "config.json").write_text(json.dumps(_config(recipe) | {"num_hidden_layers": layers}))
+    return load_recipe_text(recipe, [f"model.name_or_path={where}"])
+
+
+def trace_cut(recipe: Recipe, device: Device, layers: int, work: Path, timeout: float) -> TracedStep:
+    return trace_step(cut(recipe, layers, work), device, work / f"trace-{layers}", timeout)
+
+
+def extrapolate(points: dict[int, TpuCompile], layers: int) -> TpuCompile:
+    """The figures at ``layers`` on the line through two compiles at fewer layers.
+
+    A point the compiler refused (or failed) is returned as it is: a step that does not fit at 4
+    layers does not fit at more, and its figures are the refusal's.
+    """
+    (low, a), (high, b) = sorted(points.items())
+    if a.refused or a.error or b.refused or b.error:
+        return replace(b, extrapolated_from=(low, high))
+    share = (layers - low) / (high - low)
+
+    def at(name: str) -> Any:
+        x, y = getattr(a, name), getattr(b, name)
+        return type(y)(round(x + (y - x) * share, 2) if isinstance(y, float) else round(x + (y - x) * share))
+
+    cost = {k: a.cost[k] + (v - a.cost[k]) * share for k, v in b.cost.items() if k in a.cost}
+    linear = {f.name: at(f.name) for f in fields(TpuCompile) if f.name in (*LINEAR, *LINEAR_RUN)}
+    spent = {  # what this command took: both compiles
+        "trace_seconds": a.trace_seconds + b.trace_seconds,
+        "compile_seconds": a.compile_seconds + b.compile_seconds,
+        "host_peak_rss_bytes": max(a.host_peak_rss_bytes, b.host_peak_rss_bytes),
+    }
+    return replace(b, **linear, **spent, cost=cost, extrapolated_from=(low, high))
+
+
+def compile_points(recipe: Recipe, device: Device, work: Path, timeout: float = 3600) -> dict[int, TpuCompile]:
+    """The recipe's step compiled at each of :data:`LAYERS` layers."""
+    layers = layers_of(recipe)
+    if layers <= LAYERS[-1]:
+        raise UserError(f"the model has {layers} layers: compile it whole (nothing to extrapolate)")
+    points = {}
+    for n in LAYERS:
+        traced = trace_cut(recipe, device, n, work, timeout)
+        points[n] = compile_traced(traced, device, work / f"compile-{n}", timeout)
+    return points
+
+
+def compile_by_layers(recipe: Recipe, device: Device, work: Path, timeout: float = 3600) -> TpuCompile:
+    """The recipe compiled at :data:`LAYERS` layers and extrapolated to its own layer count."""
+    return extrapolate(compile_points(recipe, device, work, timeout), layers_of(recipe))
+
+
+def compile_or_extrapolate(recipe: Recipe, device: Device, timeout: float = 3600) -> TpuCompile:
+    """The whole step compiled; if this machine's RAM runs out under the compiler, 2 and 4 layers extrapolated."""
+    try:
+        return compile_recipe(recipe, device, timeout)
+    except HostMemoryExhausted as err:
+        if layers_of(recipe) <= LAYERS[-1]:
+            raise
+        layers = f"{LAYERS[0]} and {LAYERS[1]} layers instead, extrapolated to {layers_of(recipe)}"
+        print(f"{err}\ncompiling {layers}...", file=sys.stderr, flush=True)
+    with tempfile.TemporaryDirectory(prefix="lowmem-tpu-layers-") as tmp:
+        return compile_by_layers(recipe, device, Path(tmp), timeout)
+
+
+def _config(recipe: Recipe) -> dict[str, Any]:
+    from lowmem_tpu.memory.shape import require_config
+
+    config = require_config(recipe)
+    return config.to_dict() if hasattr(config, "to_dict") else dict(vars(config))
