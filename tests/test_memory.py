@@ -457,8 +457,13 @@ def test_dequantized_transient_is_one_projection():
     assert plan(replace(BASE, quantize="int8")).dequantized == 0  # not LoRA: the recipe refuses it; no base quantized
     one = replace(st, devices=1, global_batch=2)
     assert plan(one, layout="cpu").dequantized == largest
-    # TPU: 5.3 more hidden-sized tensors per token in each of the 3 layers (the TPU compiler, Open Llama 3B int4)
+    # TPU, FSDP over 4 chips, 256 tokens in all against a width of 64: the weights gathered, 5.3 more
+    # hidden-sized tensors per token in each of the 3 layers (the TPU compiler, Open Llama 3B int4)
     assert plan(st).dequantized == int(3 * 5.3 * 2 * 32 * 64 * 4)
+    # 4 x 8 tokens in all, under the width: the activations are gathered instead (Llama 2 70B int4)
+    few = replace(st, length=8, global_batch=4)
+    assert plan(few).dequantized == int(3 * 1.8 * 8 * 64 * 4)
+    assert plan(one).dequantized == 0  # one chip: no more than a bf16 base keeps (Open Llama 3B and 7B int4)
     p = plan(st, layout="cpu")
     backward = max(p.logits + p.workspace, memory.backward_workspace(SHAPE, st))
     assert p.peak == p.weights + p.optimizer + p.activations + backward + p.dequantized + p.gradients
@@ -515,8 +520,7 @@ def test_the_tpu_plan_is_within_ten_percent_of_the_tpu_compiler_on_the_shipped_r
     """docs/tpu_compile.json holds the TPU compiler's figure for every shipped recipe it could compile here
     (``make tpu-compile-check`` keeps it current); the planner's TPU layout must stay within 10% of each at
     real size. The tiny demo is left out: its few MiB are the compiler's fixed costs and on-chip memory.
-    The 7B and 70B QLoRA recipes, extrapolated from 2- and 4-layer compiles, are planned 26-33% above
-    the compiler (the int4 layout read off the 3B keeps too much per layer there): held on the safe side."""
+    The 7B and 70B QLoRA recipes are compiled at 2 and 4 layers and extrapolated (this machine's RAM)."""
     recorded = json.loads((ROOT / "docs/tpu_compile.json").read_text())
     checked, extrapolated = [], []
     for key, record in recorded.items():
@@ -527,6 +531,6 @@ def test_the_tpu_plan_is_within_ten_percent_of_the_tpu_compiler_on_the_shipped_r
         planned = memory_report.plan_recipe(recipe, device).plan.peak
         error = (planned - record["needed"]) / record["needed"]
         (extrapolated if record.get("extrapolated_from") else checked).append((key, error))
-    assert len(extrapolated) == 2 and all(0 <= error <= 0.4 for _, error in extrapolated), extrapolated
+    assert len(extrapolated) == 2, extrapolated
     assert len(checked) >= 4, checked  # 3B LoRA on v5e-8 and v5e-1, 3B full, 7B full on v5e-16
-    assert all(abs(error) <= 0.10 for _, error in checked), checked
+    assert all(abs(error) <= 0.10 for _, error in checked + extrapolated), checked + extrapolated

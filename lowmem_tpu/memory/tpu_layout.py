@@ -10,13 +10,19 @@ v5e; ``scripts/tpu_planner_grid.py``, docs/memory.md), which differ from XLA:CPU
   it; it was 346 while its top-1 hits took an argmax, see ``model.loss``);
 - chunked attention (``model.attn_implementation: chunked``, plain PyTorch) keeps every block of
   keys' fp32 scores at once in the layer in hand: more than eager attention; ``flash`` is the lever;
+- under FSDP the compiler gathers the smaller operand of each projection: the weights while the
+  program's tokens outnumber the projection's width (Open Llama 3B, 32 x 1024 tokens), else the
+  activations (the 70B's width 8192 over 8 x 512 tokens: all-to-alls and [8, 512, 8192] gathers);
 - a checkpointed decoder layer keeps ``KEPT_PER_LAYER`` hidden-sized tensors per token (the slope
-  from 4 to 26 layers of Open Llama 3B: 2.6 under FSDP over 8 chips, 5.0 on one chip);
+  over the layers: Open Llama 3B, 2.6 under FSDP over 8 chips, 5.0 on one chip; Llama 2 70B's width
+  in bf16, activations gathered, 3.3);
 - the layer being recomputed holds its activations, its probabilities, the MLP's gradients in
   fp32 (two [tokens, intermediate] across chips, three on one) and, under FSDP over several
   chips, its gathered weights and the gathered head;
-- a quantized base keeps 5.3 more hidden-sized tensors per token in every layer than a bf16 base
-  (Open Llama 3B int4 on v5e-8: 6.39 GiB per chip against 3.74 for the bf16 base);
+- a quantized base under FSDP keeps more per layer than a bf16 base: with the weights gathered, the
+  outputs of its windowed einsums (``AllocateBuffer``, 6 hidden-sized per token and layer at the peak
+  for Open Llama 3B int4 on v5e-8, none for bf16), with the activations gathered its fp32 dequantized
+  shards; on one chip nothing more (``QUANTIZED_KEPT_PER_LAYER``);
 - full fine-tuning keeps every layer's gradient and more than an fp32 copy of it until the
   optimizer runs (the same 4 -> 26 layer slope).
 
@@ -34,8 +40,10 @@ from lowmem_tpu.config.rules import loss_block
 from lowmem_tpu.memory.cpu_layout import DTYPE_BYTES, quantized
 from lowmem_tpu.memory.shape import Setting, Shape, linears
 
-# Hidden-sized tensors per token a checkpointed layer keeps (libtpu 0.0.21, Open Llama 3B, 4 -> 26 layers).
-KEPT_PER_LAYER = {"sharded": 2.6, "one chip": 5.0}
+# Hidden-sized tensors per token a checkpointed layer keeps (libtpu 0.0.21): Open Llama 3B from 4 to 26
+# layers (weights gathered over 8 chips, and one chip), Llama 2 70B's width at 2 and 4 layers in bf16
+# (8 x 512 tokens over 8 chips: the activations gathered).
+KEPT_PER_LAYER = {"weights gathered": 2.6, "activations gathered": 3.3, "one chip": 5.0}
 # Per token of the layer in hand: hidden-sized and intermediate-sized tensors in the compute dtype
 # (Open Llama 3B at 4 layers), and the MLP's fp32 gradients, intermediate-sized: two live at the
 # peak across chips, three on one (the buffers live at the compiler's peak, 8 chips and 1).
@@ -76,6 +84,15 @@ def _spread(st: Setting) -> str:
     return "sharded" if st.devices > 1 and st.strategy == "fsdp" else "one chip"
 
 
+def _gathering(s: Shape, st: Setting) -> str:
+    """What the compiler gathers for a projection under FSDP: the smaller of its weight ([width, hidden])
+    and the activations of every chip ([tokens, hidden]); on one chip nothing."""
+    if _spread(st) == "one chip":
+        return "one chip"
+    program_tokens = st.tokens * st.devices
+    return "weights gathered" if s.heads * s.head_dim < program_tokens else "activations gathered"
+
+
 # Chunked attention (plain PyTorch) in the layer in hand on a TPU: fp32 [sequences, heads, length, 128]
 # blocks in two layouts for every block of keys at once, i.e. two fp32 [length, length] (Open Llama
 # 3B's width at 4 layers, v5e-8: 17 such blocks live at the peak, 2.27 GiB per chip against 1.73 eager).
@@ -104,7 +121,7 @@ def kept(s: Shape, st: Setting, checkpointing: bool) -> int:
     if not checkpointing:
         return s.layers * layer_kept(s, st)
     recomputed = -(-s.layers // st.checkpoint_every)
-    per = KEPT_PER_LAYER[_spread(st)]
+    per = KEPT_PER_LAYER[_gathering(s, st)]
     hidden = st.tokens * s.hidden * DTYPE_BYTES[st.dtype]
     return int(recomputed * per * hidden) + (s.layers - recomputed) * layer_kept(s, st)
 
@@ -131,17 +148,20 @@ def freed_before_recompute(s: Shape, st: Setting) -> int:
     return (s.layers - 1 - last) * layer_kept(s, st)
 
 
-# A quantized base keeps this many more hidden-sized tensors per token in every decoder layer than a
-# bf16 base (the dequantization is tied to each projection's input): the 4 -> 26 layer slope of Open
-# Llama 3B int4 on v5e-8 (197.7 against 64.4 MiB per layer), 5.2 on 7B's width at 4 layers, one chip.
-QUANTIZED_KEPT_PER_LAYER = 5.3
+# Hidden-sized tensors per token a quantized base keeps in every decoder layer beyond a bf16 base's
+# (libtpu 0.0.21, the slope between 2 and 4 layers, int4): with the weights gathered, Open Llama 3B on
+# v5e-8 at 4 x 1024 and 2 x 1024 tokens per chip (5.2 and 5.6: its windowed einsums' outputs); with
+# the activations gathered, Llama 2 70B's width at 1 x 512 (1.8: fp32 dequantized shards); on one chip
+# Open Llama 3B and 7B keep no more than in bf16 (3B at 4 x 1024: 127 MiB per layer, 125 planned).
+QUANTIZED_KEPT_PER_LAYER = {"weights gathered": 5.3, "activations gathered": 1.8, "one chip": 0.0}
 
 
 def dequantized(s: Shape, st: Setting) -> int:
-    """What a quantized base keeps beyond a bf16 base's activations, per chip: every layer's extra copies."""
+    """What a quantized base keeps beyond a bf16 base's activations, per chip: every layer's extra buffers."""
     if not quantized(st):
         return 0
-    return int(s.layers * QUANTIZED_KEPT_PER_LAYER * st.tokens * s.hidden * DTYPE_BYTES[st.dtype])
+    per = QUANTIZED_KEPT_PER_LAYER[_gathering(s, st)]
+    return int(s.layers * per * st.tokens * s.hidden * DTYPE_BYTES[st.dtype])
 
 
 # Blocks of logits ([sequences, block, vocab], compute dtype) the chunked loss holds at once.
