@@ -494,7 +494,9 @@ def test_quantization_is_suggested_to_lora_only_and_shown_in_the_report():
     assert quantized.plan.fits and quantized.twin.setting.quantize == "none" and not quantized.twin.setting.lora
     assert 6.7e9 < quantized.plan.total_parameters < 6.8e9
     text = memory_report.format_report(quantized)
-    assert "LoRA on an int4 base" in text and "a quantized base's extra activations (every layer)" in text
+    assert "LoRA on an int4 base" in text
+    # One chip: the TPU compiler keeps no more per layer for an int4 base than for bf16 (docs/tpu_compiler.md)
+    assert "a quantized base's extra activations (every layer)" not in text and quantized.plan.dequantized == 0
     assert "lora.enabled=false model.quantize=none" in text
     assert memory_report.report_json(quantized)["recipe"]["setting"]["quantize"] == "int4"
 
