@@ -23,11 +23,11 @@ from pathlib import Path
 
 from lowmem_tpu.config import load_recipe
 from lowmem_tpu.config.devices import DEVICES
-from lowmem_tpu.memory.compiler import live_at_peak
+from lowmem_tpu.memory.compiler import live_at_peak, optimized_hlo
 from lowmem_tpu.memory.shape import require_config, setting_of, shape_of
-from lowmem_tpu.memory.tpu_compile import _buffer_assignment, compile_recipe, compile_target
+from lowmem_tpu.memory.tpu_compile import buffer_assignment, compile_recipe, compile_target
 from lowmem_tpu.memory.tpu_layers import cut
-from lowmem_tpu.memory.tpu_layout import kept, transients
+from lowmem_tpu.memory.tpu_layout import dequantized, kept
 
 LAYERS = (2, 4)
 MIB = 2**20
@@ -43,8 +43,8 @@ def point(recipe_path: str, overrides: list[str], device_name: str, layers: int,
     result = compile_recipe(recipe, compile_target(device_name), keep=work)
     if not result.needed:
         raise SystemExit(f"{work.name}: the compiler gave no figures ({result.refused or result.error})")
-    dump = _buffer_assignment(work / "tpu")
-    hlo = next(dump.parent.glob(dump.name.replace("-buffer-assignment.txt", ".txt"))).read_text()
+    dump = buffer_assignment(work / "tpu")
+    hlo = optimized_hlo(dump).read_text()
     windowed = set(re.findall(r"%(custom-call\.\d+) = [^\n]*AllocateBuffer", hlo))
     figures = {
         "arguments": result.arguments,
@@ -63,7 +63,6 @@ def slopes(name: str, recipe_path: str, device_name: str, overrides: list[str], 
     shape, setting = shape_of(require_config(recipe)), setting_of(recipe, DEVICES[device_name].devices)
     per_layer = {k: (points[4][k] - points[2][k]) / (LAYERS[1] - LAYERS[0]) for k in points[2] if k != "seconds"}
     hidden = setting.tokens * shape.hidden * 2  # one hidden-sized bf16 tensor per token of the chip
-    planned = transients(shape, setting, 0)
     return {
         "recipe": recipe_path,
         "device": device_name,
@@ -74,7 +73,7 @@ def slopes(name: str, recipe_path: str, device_name: str, overrides: list[str], 
         "temporaries_per_token": round(per_layer["temporaries"] / hidden, 2),
         "windowed_outputs_per_token": round(per_layer["windowed_outputs_at_peak"] / hidden, 2),
         "planned_kept_per_token": round(kept(shape, setting, True) / shape.layers / hidden, 2),
-        "planned_quantized_per_token": round(planned.dequantized / shape.layers / hidden, 2),
+        "planned_quantized_per_token": round(dequantized(shape, setting) / shape.layers / hidden, 2),
         "points": points,
     }
 

@@ -102,7 +102,7 @@ def test_placeholders_cost_what_real_weights_cost(tmp_path):
     tpu = tmp_path / "real" / "tpu"
     tpu.mkdir()
     real = tpu_compile._compile(request, tmp_path / "real", tpu, 600)
-    hbm = hbm_allocations(tpu_compile._buffer_assignment(tpu))
+    hbm = hbm_allocations(tpu_compile.buffer_assignment(tpu))
     stats = real["stats"]
     # The real step 2 carries a few more scalars (each a padded 512-byte buffer on a TPU): 2.5 KB of 2 MB here.
     scalars = 16 * 512

@@ -114,6 +114,11 @@ def parse_buffer_assignment(path: Path) -> CompilerFigures:
     )
 
 
+def optimized_hlo(buffer_assignment: Path) -> Path:
+    """The optimized HLO text that XLA dumped beside a buffer assignment."""
+    return Path(str(buffer_assignment).replace("-buffer-assignment.txt", ".txt"))
+
+
 def live_at_peak(buffer_assignment: Path) -> list[tuple[str, str, int]]:
     """(instruction, shape, bytes) of every buffer live at the program's peak, largest first.
 
@@ -124,7 +129,7 @@ def live_at_peak(buffer_assignment: Path) -> list[tuple[str, str, int]]:
     if start < 0:
         return []
     section = text[start : text.find("Stack trace breakdown", start)]
-    hlo_path = Path(str(buffer_assignment).replace("-buffer-assignment.txt", ".txt"))
+    hlo_path = optimized_hlo(buffer_assignment)
     hlo = hlo_path.read_text() if hlo_path.exists() else ""
     shapes = {m.group(1): m.group(2) for m in re.finditer(r"%(\S+) = (\S+?)\{", hlo)}
     live = [(name, shapes.get(name, "?"), int(size)) for name, size in _LIVE.findall(section)]

@@ -185,7 +185,7 @@ def compile_traced(traced: TracedStep, device: Device, work: Path, timeout: floa
         refused = out_of_memory(compiled["error"])
         return TpuCompile(**base, refused=refused, error=None if refused else compiled["error"])
     stats = compiled["stats"]
-    hbm = hbm_allocations(_buffer_assignment(tpu_dir))
+    hbm = hbm_allocations(buffer_assignment(tpu_dir))
     return TpuCompile(
         **base,
         arguments=stats["argument_size_in_bytes"],
@@ -284,7 +284,7 @@ def _rss(pid: int) -> int:
     return 0
 
 
-def _buffer_assignment(dump: Path) -> Path:
+def buffer_assignment(dump: Path) -> Path:
     found = sorted(dump.glob("*after_optimizations-buffer-assignment.txt"), key=lambda p: p.stat().st_size)
     if not found:
         raise UserError("the TPU compiler wrote no buffer assignment (XLA_FLAGS --xla_dump_to was not honoured)")
