@@ -42,6 +42,10 @@ def _run(model, ids, mask, device):
     labels = ids.masked_fill(mask == 0, -100)
     out = model(input_ids=ids.to(device), attention_mask=mask.to(device), labels=labels.to(device))
     out.loss.backward()
+    if device != "cpu":
+        import torch_xla
+
+        torch_xla.sync()  # one program for every gradient: .cpu() on each pending one compiles a program each
     grads = {n: p.grad.detach().cpu() for n, p in model.named_parameters()}
     return out.logits.detach().cpu(), out.loss.detach().cpu(), grads
 
@@ -177,6 +181,7 @@ def test_chunked_loss_through_the_model_on_the_xla_devices_equals_the_models_los
     assert set(out) == {"loss", "correct"}
     items = int((labels[:, 1:] != -100).sum())
     (out["loss"] / items).backward()
+    torch_xla.sync()  # one program for both models' gradients, not one per .cpu() below
     assert abs(out["loss"].item() / items - expected.item()) < 1e-5
     theirs = dict(reference.named_parameters())
     for name, param in chunked.named_parameters():

@@ -1,0 +1,53 @@
+"""The tiny recipe through the real CLI, one subprocess per run, as the resume tests run it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+RUN = [
+    "train.max_steps=8",
+    "train.logging_steps=1",
+    "train.global_batch_size=16",
+    "train.gradient_accumulation_steps=2",  # SIGTERM usually lands between two micro-batches
+    "train.save_steps=2",
+    "train.keep_last=2",
+    "train.eval_samples=0",
+    "data.eval_path=null",
+    "lora.dropout=0.1",  # dropout draws from the XLA RNG, which the checkpoint must restore
+]
+
+FAKE_TOKEN = "hf_lowmemTestTokenNeverWritten0123456789"
+
+
+def env() -> dict[str, str]:
+    kept = {k: v for k, v in os.environ.items() if k not in ("PJRT_DEVICE", "CPU_NUM_DEVICES")}
+    return kept | {"PYTHONUNBUFFERED": "1", "HF_TOKEN": FAKE_TOKEN}
+
+
+def cmd(out: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "lowmem_tpu.cli", "sft", "recipes/tiny_lora_cpu.yaml", f"output_dir={out}", *RUN, *extra]
+
+
+def run(out: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(cmd(out, *extra), capture_output=True, text=True, env=env(), timeout=600)
+
+
+def start(out: Path, *extra: str, stderr: int = subprocess.PIPE) -> subprocess.Popen[str]:
+    return subprocess.Popen(cmd(out, *extra), stdout=subprocess.PIPE, stderr=stderr, text=True, env=env())
+
+
+def losses(out: Path) -> dict[int, float]:
+    metrics = json.loads((out / "final" / "metrics.json").read_text())
+    return {e["step"]: e["loss"] for e in metrics["train"]["losses"]}
+
+
+def assert_no_token(root: Path, *outputs: str) -> None:
+    for text in outputs:
+        assert FAKE_TOKEN not in text
+    for path in root.rglob("*"):
+        if path.is_file():
+            assert FAKE_TOKEN.encode() not in path.read_bytes(), path
