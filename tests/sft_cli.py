@@ -29,7 +29,16 @@ def env() -> dict[str, str]:
 
 
 def cmd(out: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "lowmem_tpu.cli", "sft", "recipes/tiny_lora_cpu.yaml", f"output_dir={out}", *RUN, *extra]
+    return [
+        sys.executable,
+        "-m",
+        "lowmem_tpu.cli",
+        "sft",
+        "recipes/tiny_lora_cpu.yaml",
+        f"output_dir={out}",
+        *RUN,
+        *extra,
+    ]
 
 
 def run(out: Path, *extra: str) -> subprocess.CompletedProcess[str]:
