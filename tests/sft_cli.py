@@ -45,8 +45,8 @@ def run(out: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cmd(out, *extra), capture_output=True, text=True, env=env(), timeout=600)
 
 
-def start(out: Path, *extra: str, stderr: int = subprocess.PIPE) -> subprocess.Popen[str]:
-    return subprocess.Popen(cmd(out, *extra), stdout=subprocess.PIPE, stderr=stderr, text=True, env=env())
+def start(out: Path, *extra: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(cmd(out, *extra), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env())
 
 
 def losses(out: Path) -> dict[int, float]:
