@@ -275,7 +275,9 @@ class TrainSection(Section):
     )
     learning_rate: float = Field(2e-4, gt=0, lt=1, description="Peak learning rate.")
     lr_scheduler: Literal["cosine", "linear", "constant"] = Field("cosine", description="Decay after warm-up.")
-    warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps.")
+    warmup_steps: int = Field(
+        0, ge=0, description="Linear warm-up steps (the first at the second's rate, never 0: it would train nothing)."
+    )
     optimizer: Literal["adamw", "adafactor"] = Field(
         "adamw", description="adamw: 8 bytes/param of state; adafactor: factored, far less."
     )

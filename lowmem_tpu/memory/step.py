@@ -224,6 +224,7 @@ def _trace(recipe: Recipe, runtime: Any, micro: int, record: dict[str, Any], res
         return copy
 
     trainer._fp32_copy = fp32_copy
+    trainer.placeholder_weights = True
     with placeholders_unmarked():
         trainer.train()
     raise RuntimeError("the step's program was not handed to the compiler")

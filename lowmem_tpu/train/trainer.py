@@ -1,4 +1,4 @@
-"""TRL's SFTTrainer on XLA SPMD FSDP, with the seven traps of this stack handled.
+"""TRL's SFTTrainer on XLA SPMD FSDP, with the eight traps of this stack handled.
 
 1. transformers creates no optimizer on its XLA FSDP path: we create it from the wrapped model.
 2. TRL's fused LM head returns ``logits=None``: our ``shard_output`` shards what is there.
@@ -8,6 +8,8 @@
 6. ``fsdp="full_shard"`` strings are deprecated: a list is passed.
 7. Resumed from a checkpoint at ``max_steps`` (a run killed while writing final/), transformers 5 trains one
    step more before it checks the step count: nothing is trained (the fault matrix found it).
+8. Step 1's program differs from step 2's, which then compiles again: :mod:`lowmem_tpu.train.steady`
+   gives step 1 step 2's inputs.
 
 Besides, the loss and its metrics stay on the device between logging steps: TRL's
 per-step ``.item()`` calls would cut every step's graph in two and sync the host.
@@ -22,7 +24,7 @@ from typing import Any
 
 import torch
 from transformers import TrainerCallback
-from trl import SFTConfig, SFTTrainer
+from trl import SFTTrainer
 
 from lowmem_tpu import faults, hosts
 from lowmem_tpu.config import Recipe
@@ -35,50 +37,13 @@ from lowmem_tpu.model.attention import packed_inputs
 from lowmem_tpu.model.loss import add_chunked_loss
 from lowmem_tpu.model.names import ParamNames
 from lowmem_tpu.train import checkpoint as ckpt
+from lowmem_tpu.train import steady
+from lowmem_tpu.train.args import training_args
 from lowmem_tpu.train.master import checkpoint_state, masters_of, restore_checkpoint_state, with_master_weights
 from lowmem_tpu.xla import runtime as rt
 from lowmem_tpu.xla import sharded_state
-from lowmem_tpu.xla.sharding import place_like, wrap_model
+from lowmem_tpu.xla.sharding import place_like, replicate, wrap_model, zeros_placed
 from lowmem_tpu.xla.transfer import to_host
-
-OPTIMIZERS = {"adamw": "adamw_torch", "adafactor": "adafactor"}
-
-
-def training_args(recipe: Recipe, micro_batch: int) -> SFTConfig:
-    """SFTConfig for the XLA FSDPv2 path (checkpointing and wrapping are ours)."""
-    t = recipe.train
-    return SFTConfig(
-        output_dir=recipe.output_dir,
-        max_steps=t.max_steps,
-        per_device_train_batch_size=micro_batch,  # one SPMD process: "per device" is the whole micro-batch
-        per_device_eval_batch_size=micro_batch,
-        gradient_accumulation_steps=t.gradient_accumulation_steps,
-        learning_rate=t.learning_rate,
-        lr_scheduler_type=t.lr_scheduler,
-        warmup_steps=t.warmup_steps,
-        optim=OPTIMIZERS[t.optimizer],
-        weight_decay=t.weight_decay,
-        max_grad_norm=t.max_grad_norm,
-        logging_steps=t.logging_steps,
-        eval_strategy="steps" if t.eval_steps and (recipe.data.eval_path or recipe.data.eval_fraction) else "no",
-        eval_steps=t.eval_steps,
-        save_strategy="steps" if t.save_steps else "no",
-        save_steps=t.save_steps or 500,
-        report_to=t.reporters if hosts.is_main() else [],  # one host reports a pod slice's run
-        seed=t.seed,
-        data_seed=t.seed,
-        bf16=False,  # weights are already in the recipe's dtype; no autocast
-        gradient_checkpointing=False,
-        fsdp=["full_shard"],
-        fsdp_config={"xla": True, "xla_fsdp_v2": True, "xla_fsdp_grad_ckpt": False},
-        dataset_kwargs={"skip_prepare_dataset": True},
-        remove_unused_columns=False,
-        dataloader_pin_memory=False,  # nothing to pin for XLA; torchax (scan_layers) breaks pinning
-        dataloader_drop_last=True,  # a short last batch would be a new shape, hence a recompilation
-        disable_tqdm=True,
-        max_length=recipe.data.max_length,
-        packing=False,
-    )
 
 
 def build_trainer(
@@ -134,6 +99,8 @@ class XlaSFTTrainer(SFTTrainer):
         self.base_reference = base_reference  # where an adapter's base lives (for exported checkpoints)
         self._fsdp_model: torch.nn.Module | None = None
         self._totals: dict[str, torch.Tensor] = {}
+        self._step_inputs_made = False
+        self.placeholder_weights = False  # set by the TPU compiler's trace (memory.step)
         self.save_compiles: dict[int, int] = {}  # step -> XLA compilations its checkpoint caused
         self.save_seconds: dict[int, float] = {}  # step -> seconds its checkpoint took
         self._last_log: tuple[float, dict[str, float]] | None = None
@@ -155,11 +122,31 @@ class XlaSFTTrainer(SFTTrainer):
             rt.sync()
         return loss
 
+    def _make_step_inputs(self) -> None:
+        """Step 1's inputs as step 2 will have them, so that the step compiles once (``train.steady``)."""
+        self._step_inputs_made = True
+        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate wraps ours
+        steady.make_adam_state(optimizer, lambda p: zeros_placed(p, self.runtime, self.recipe.sharding.strategy))
+        if not self.placeholder_weights:  # a placeholder can be traced, never run
+            steady.update_in_place(p for p in self.names.params.values() if p.requires_grad)
+        for key in ("tokens", "label_tokens", "correct"):
+            self._totals.setdefault(f"train/{key}", torch.zeros((), device=self.runtime.device))
+        for tensor in [*self._totals.values(), self._tr_loss]:
+            replicate(tensor, self.runtime.mesh)
+        rt.sync()
+
+    def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
+        scheduler = super().create_scheduler(num_training_steps, optimizer)
+        steady.no_zero_first_rate(scheduler)
+        return scheduler
+
     def _run_epoch(self, *args: Any, **kwargs: Any) -> None:
         # Trap 7: transformers checks ``max_steps`` only after a step; a run resumed at (or past) it is done.
         if self.state.global_step >= self.state.max_steps:
             self.control.should_training_stop = True
             return
+        if not self._step_inputs_made:
+            self._make_step_inputs()
         super()._run_epoch(*args, **kwargs)
 
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> Any:

@@ -65,6 +65,20 @@ def shard_like(tensor: torch.Tensor, param: torch.Tensor, runtime: Runtime, stra
     xs.mark_sharding(tensor, runtime.mesh, partition_spec(param.shape, strategy))
 
 
+def zeros_placed(param: torch.Tensor, runtime: Runtime, strategy: str) -> torch.Tensor:
+    """Zeros shaped like ``param``, made on the devices (no host copy) and sharded like it."""
+    zeros = torch.zeros(param.shape, dtype=param.dtype, device=runtime.device)
+    shard_like(zeros, param, runtime, strategy)
+    return zeros
+
+
+def replicate(tensor: torch.Tensor, mesh: Any) -> None:
+    """Annotate a device tensor as replicated on every device (a step's scalar sums carry it from step 2 on)."""
+    import torch_xla.distributed.spmd as xs
+
+    xs.mark_sharding(tensor, mesh, (None,) * tensor.dim())
+
+
 def shard_output(output: Any, mesh: Any) -> None:
     """Shard the model output along the batch; TRL's fused LM head returns ``logits=None``.
 

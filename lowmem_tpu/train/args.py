@@ -1,0 +1,48 @@
+"""The recipe as TRL's ``SFTConfig``, for the XLA FSDPv2 path (wrapping, checkpointing and the loss are ours)."""
+
+from __future__ import annotations
+
+from trl import SFTConfig
+
+from lowmem_tpu import hosts
+from lowmem_tpu.config import Recipe
+
+OPTIMIZERS = {"adamw": "adamw_torch", "adafactor": "adafactor"}
+
+
+def training_args(recipe: Recipe, micro_batch: int) -> SFTConfig:
+    """SFTConfig for the XLA FSDPv2 path (checkpointing and wrapping are ours)."""
+    t = recipe.train
+    return SFTConfig(
+        output_dir=recipe.output_dir,
+        max_steps=t.max_steps,
+        per_device_train_batch_size=micro_batch,  # one SPMD process: "per device" is the whole micro-batch
+        per_device_eval_batch_size=micro_batch,
+        gradient_accumulation_steps=t.gradient_accumulation_steps,
+        learning_rate=t.learning_rate,
+        # transformers' ``constant`` ignores warm-up; ``constant_with_warmup`` is what the recipe says
+        lr_scheduler_type="constant_with_warmup" if t.lr_scheduler == "constant" and t.warmup_steps else t.lr_scheduler,
+        warmup_steps=t.warmup_steps,
+        optim=OPTIMIZERS[t.optimizer],
+        weight_decay=t.weight_decay,
+        max_grad_norm=t.max_grad_norm,
+        logging_steps=t.logging_steps,
+        eval_strategy="steps" if t.eval_steps and (recipe.data.eval_path or recipe.data.eval_fraction) else "no",
+        eval_steps=t.eval_steps,
+        save_strategy="steps" if t.save_steps else "no",
+        save_steps=t.save_steps or 500,
+        report_to=t.reporters if hosts.is_main() else [],  # one host reports a pod slice's run
+        seed=t.seed,
+        data_seed=t.seed,
+        bf16=False,  # weights are already in the recipe's dtype; no autocast
+        gradient_checkpointing=False,
+        fsdp=["full_shard"],
+        fsdp_config={"xla": True, "xla_fsdp_v2": True, "xla_fsdp_grad_ckpt": False},
+        dataset_kwargs={"skip_prepare_dataset": True},
+        remove_unused_columns=False,
+        dataloader_pin_memory=False,  # nothing to pin for XLA; torchax (scan_layers) breaks pinning
+        dataloader_drop_last=True,  # a short last batch would be a new shape, hence a recompilation
+        disable_tqdm=True,
+        max_length=recipe.data.max_length,
+        packing=False,
+    )
