@@ -6,7 +6,8 @@ updated ones donated. None of them has to exist: every parameter, optimizer tens
 weight is a torch_xla placeholder (device data with no buffer), so a 70B model traces in the host
 RAM its graph needs. The optimizer state is made before the first step, with the shapes and dtypes
 the optimizer's own first step gives them (found by running that step on ``meta`` twins), so the
-first traced step is already the steady one.
+first traced step is already the steady one (as the trainer's ``train.steady`` makes a run's; only
+the in-place update of the trainable weights is left out: it would run the placeholders).
 
 A placeholder can be traced, never run: the step's program is taken from the CPU compiler's dump
 the moment torch_xla hands it over (``*.before_optimizations.hlo.pb``, written before the CPU
