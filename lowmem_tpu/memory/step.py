@@ -132,9 +132,11 @@ def _hook(kind: str, steps: int, record: dict[str, Any], result: Path) -> Any:
 
     class Hook(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs) -> None:
-            if kind == "compile" and state.global_step == steps - 1:
+            if kind == "compile" and state.global_step in (0, steps - 1):
                 # With accumulation each micro-batch is compiled (and cut) inside the step: count them.
-                record["_before"] = sorted(p.name for p in dump.glob("*buffer-assignment.txt"))
+                # A step that compiles nothing runs step 1's programs (train.steady): those, then.
+                key = "_first" if state.global_step == 0 and steps > 1 else "_before"
+                record[key] = sorted(p.name for p in dump.glob("*buffer-assignment.txt"))
             if kind == "run" and state.global_step == min(2, steps - 1):
                 rt.sync()
                 rt.wait()  # warm-up (and its compilations) done: time the steps after it
@@ -144,7 +146,7 @@ def _hook(kind: str, steps: int, record: dict[str, Any], result: Path) -> Any:
             if kind != "compile" or state.global_step < steps:
                 return
             optimizer = getattr(optimizer, "optimizer", optimizer)
-            before = set(record.pop("_before", []))
+            before, first = set(record.pop("_before", [])), set(record.pop("_first", []))
             started = time.perf_counter()
             try:
                 rt.sync()  # compiles the step now; its execution is queued and never waited for
@@ -152,7 +154,8 @@ def _hook(kind: str, steps: int, record: dict[str, Any], result: Path) -> Any:
                 _refused(err, record, result, model, optimizer)
             record["compile_seconds"] = round(time.perf_counter() - started, 2)
             record["state"] = asdict(persistent_state(model, optimizer))
-            record["programs"] = sorted(p.name for p in dump.glob("*buffer-assignment.txt") if p.name not in before)
+            compiled = sorted(p.name for p in dump.glob("*buffer-assignment.txt"))
+            record["programs"] = [n for n in compiled if n not in before] or [n for n in compiled if n not in first]
             record["host_peak_rss_bytes"] = _host_peak_rss()
             _finish(record, result)
 
