@@ -143,14 +143,14 @@ def test_peak_is_persistent_state_plus_the_larger_phase():
 
 
 def test_the_tpu_layout_is_the_tpu_compilers():
-    """What the TPU compiler keeps (tpu_layout): one logits buffer in the compute dtype, 2.6 hidden-sized
+    """What the TPU compiler keeps (tpu_layout): one logits buffer in the compute dtype, 2.0 hidden-sized
     tensors per checkpointed layer across chips (5 on one), the layer in hand with 2 fp32 MLP gradients (3 on one),
     the head and one layer gathered, and full fine-tuning's gradient copies held for the optimizer."""
     st = replace(BASE, dtype="bfloat16", length=64)
     p, t = plan(st), tpu_layout.transients(SHAPE, st, 0)
     tokens = 2 * 64
     assert p.logits == t.logits == tokens * 100 * 2  # no fp32 copies: the loss is fused with the head
-    assert t.kept == int(3 * 2.6 * tokens * 64 * 2)
+    assert t.kept == int(3 * 2.0 * tokens * 64 * 2)
     one = replace(st, devices=1, global_batch=2)
     assert tpu_layout.kept(SHAPE, one, True) == 3 * 5 * tokens * 64 * 2
     probabilities = 2 * 4 * 64 * 64 * 2  # [sequences, heads, length, length] in bf16
