@@ -116,3 +116,13 @@ def test_step_2_compiles_nothing(tmp_path_factory, mode):
     )
     by_step = _compiles_by_step(run)
     assert by_step[3] == by_step[2], by_step
+
+
+@pytest.mark.parametrize(("warmup", "expected"), [(10, "constant_with_warmup"), (0, "constant")])
+def test_a_constant_schedule_keeps_the_recipes_warm_up(tmp_path, warmup, expected):
+    from lowmem_tpu.config import load_recipe
+    from lowmem_tpu.train.args import training_args
+
+    overrides = [f"output_dir={tmp_path}", "train.lr_scheduler=constant", f"train.warmup_steps={warmup}"]
+    args = training_args(load_recipe("recipes/tiny_lora_cpu.yaml", overrides), micro_batch=16)
+    assert args.lr_scheduler_type == expected and args.warmup_steps == warmup
