@@ -126,3 +126,31 @@ def test_a_constant_schedule_keeps_the_recipes_warm_up(tmp_path, warmup, expecte
     overrides = [f"output_dir={tmp_path}", "train.lr_scheduler=constant", f"train.warmup_steps={warmup}"]
     args = training_args(load_recipe("recipes/tiny_lora_cpu.yaml", overrides), micro_batch=16)
     assert args.lr_scheduler_type == expected and args.warmup_steps == warmup
+
+
+def test_a_capturable_group_is_left_to_torch_and_the_others_are_made():
+    first, second = _params()
+    optimizer = torch.optim.AdamW([{"params": [first], "capturable": True}, {"params": [second]}], lr=1e-3)
+    assert steady.make_adam_state(optimizer, torch.zeros_like) == 1
+    assert not optimizer.state[first] and set(optimizer.state[second]) == {"step", "exp_avg", "exp_avg_sq"}
+
+
+@pytest.mark.tpu
+@pytest.mark.skipif(__import__("os").environ.get("PJRT_DEVICE", "CPU").upper() != "TPU", reason="needs a TPU")
+def test_on_a_tpu_step_2_compiles_nothing(tmp_path_factory):  # pragma: no cover - TPU only
+    """The same as on the CPU backend, through libtpu's compiler and runtime (a real TPU's warm-up)."""
+    _, run = train_tiny(
+        tmp_path_factory,
+        "steady-tpu",
+        "runtime.device=tpu",
+        "runtime.target=null",
+        "model.dtype=bfloat16",
+        "train.max_steps=4",
+        "train.logging_steps=4",
+        "train.warmup_steps=2",
+        "train.gradient_accumulation_steps=2",
+        "train.eval_samples=0",
+        "data.eval_path=null",
+    )
+    by_step = _compiles_by_step(run)
+    assert by_step[3] == by_step[2], by_step

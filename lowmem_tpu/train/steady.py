@@ -9,9 +9,10 @@ a TPU, minutes more of warm-up for a 3B model). Measured on the tiny recipe with
 - The Trainer's loss scalar carries a replicated sharding from step 2 on (it is a step's output).
 - A trainable weight not yet updated in place: the checkpointed backward shares one transposed
   copy of it, while after an in-place update every later step rebuilds the transpose at each use.
-- A warm-up's first learning rate, 0: torch_xla keeps the scalars 0 and 1 as constants of a
-  program (its "special scalars", ``XLA_NO_SPECIAL_SCALARS``), so that step's update is another
-  program, and it trains nothing.
+- A warm-up's first learning rate, 0: torch_xla keeps the scalars 0 and +-1 as constants of a
+  program, any other as an input (torch_xla 2.9 ``csrc/init_python_bindings.cpp``,
+  ``MapXlaEnvVarsToLazy``: ``XLA_NO_SPECIAL_SCALARS`` unset leaves torch lazy's
+  ``handle_special_scalars`` on), so that step's update is another program, and it trains nothing.
 
 Adafactor's first step is another program anyway (its second-moment decay is exactly 0 at step 1).
 """
@@ -56,7 +57,7 @@ def make_adam_state(optimizer: torch.optim.Optimizer, zeros: Callable[[torch.Ten
     made = 0
     for group in optimizer.param_groups:
         if group.get("capturable") or group.get("fused"):
-            return made
+            continue  # torch keeps ``step`` on the device then: left to torch
         keys = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
         for param in group["params"]:
             if not optimizer.state[param]:

@@ -131,6 +131,7 @@ class XlaSFTTrainer(SFTTrainer):
             steady.update_in_place(p for p in self.names.params.values() if p.requires_grad)
         for key in ("tokens", "label_tokens", "correct"):
             self._totals.setdefault(f"train/{key}", torch.zeros((), device=self.runtime.device))
+        # ``_tr_loss``: the Trainer's on-device loss sum (transformers 5.24 trainer.py, _inner_training_loop)
         for tensor in [*self._totals.values(), self._tr_loss]:
             replicate(tensor, self.runtime.mesh)
         rt.sync()
