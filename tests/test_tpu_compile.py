@@ -207,3 +207,34 @@ def test_a_step_too_big_to_compile_here_is_the_line_through_2_and_4_layers(tmp_p
     assert "extrapolated: the whole step was too big to compile" in format_compile(whole, 480, {}, None)
     refused = replace(b, refused=out_of_memory("Ran out of memory in memory space hbm. Used 20.00G of 15.75G hbm."))
     assert not extrapolate({2: a, 4: refused}, 32).fits  # too big at 4 layers: too big at 32
+
+
+WATCHED = """
+import sys, threading, torch, torch_xla
+from pathlib import Path
+from lowmem_tpu.memory.trace import ProgramWatcher
+from lowmem_tpu.xla.sharding import placeholder
+
+x = placeholder((256, 256), torch.float32)
+for _ in range(8):
+    x = torch.tanh(x @ x)
+taken = threading.Event()
+ProgramWatcher(Path(sys.argv[1]), lambda module, text: taken.set()).start()
+try:
+    torch_xla.sync()
+except RuntimeError as err:
+    print("refused" if "Unexpected execution" in str(err) else err, taken.wait(30))
+"""
+
+
+def test_a_traced_program_on_placeholders_is_taken_and_never_runs(tmp_path):
+    """The watcher refuses the execution as the CPU compiler starts: a program on placeholders that ran
+    would crash the trace (a SIGSEGV in torch_xla's ExecuteReplicated), as a small one did, now and then,
+    when it compiled faster than its dump settled."""
+    flags = tpu_compile.TRACE_FLAGS.format(dir=tmp_path)
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "PJRT_LOCAL_PROCESS_RANK": "0", "XLA_FLAGS": flags}
+    done = subprocess.run(
+        [sys.executable, "-c", WATCHED, str(tmp_path)], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["refused", "True"]

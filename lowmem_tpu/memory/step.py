@@ -190,10 +190,10 @@ def _trace_hook(record: dict[str, Any], result: Path) -> Any:
 
         def on_step_end(self, args, state, control, **kwargs) -> None:
             try:
-                rt.sync()  # hands the step to the CPU compiler: the watcher takes it and leaves
+                rt.sync()  # hands the step to the CPU compiler: the watcher refuses its execution, takes it, leaves
             except RuntimeError:
-                # TPU-only code (a Pallas kernel) the CPU compiler refuses after the dump was written:
-                # the watcher still takes it, unless the refusal came before.
+                # The execution refused, or TPU-only code (a Pallas kernel) the CPU compiler refuses after
+                # the dump was written: the watcher takes the program, unless the refusal came before.
                 time.sleep(30)
                 raise
             time.sleep(600)  # never reached unless the dump is missing

@@ -122,6 +122,7 @@ def trace_step(recipe: Recipe, device: Device, work: Path, timeout: float = 3600
     overrides = ["runtime.device=tpu", "runtime.compile_cache_dir=null"]
     env = {
         "PJRT_DEVICE": "CPU",
+        "PJRT_LOCAL_PROCESS_RANK": "0",  # the guard of xla.runtime.refuse_execution acts on rank 0 only
         "CPU_NUM_DEVICES": str(n),
         "LOWMEM_TRACE_CPU_DEVICES": str(n),
         "JAX_PLATFORMS": "cpu",  # flash's kernel is traced by jax: never let it reach for a TPU

@@ -11,7 +11,7 @@ the in-place update of the trainable weights is left out: it would run the place
 
 A placeholder can be traced, never run: the step's program is taken from the CPU compiler's dump
 the moment torch_xla hands it over (``*.before_optimizations.hlo.pb``, written before the CPU
-compiler starts), and the process leaves before anything executes.
+compiler starts); its execution is refused as the compilation starts, and the process leaves.
 """
 
 from __future__ import annotations
@@ -90,25 +90,36 @@ def resident_tensors(tensors: list[torch.Tensor]) -> list[tuple[list[int], int]]
 
 
 class ProgramWatcher:
-    """Waits, in a thread, for the next program torch_xla hands the CPU compiler, then calls ``done``."""
+    """Waits, in a thread, for the next program torch_xla hands the CPU compiler, then calls ``done``.
+
+    At the first sight of the program's dump (written as the CPU compiler starts) it refuses the
+    program's execution (``xla.runtime.refuse_execution``): a program on placeholders must never run,
+    and a small one compiles faster than its dump settles.
+    """
 
     def __init__(self, dump: Path, done: Any):
         self.dump = dump
         self.done = done
         self.before = set(dump.glob(BEFORE))
+        self.refused = threading.Event()
 
     def start(self) -> None:
         threading.Thread(target=self._watch, daemon=True).start()
 
     def _watch(self) -> None:
+        from lowmem_tpu.xla.runtime import refuse_execution
+
         while True:
             new = sorted(set(self.dump.glob(BEFORE)) - self.before)
+            if new and not self.refused.is_set():
+                refuse_execution()
+                self.refused.set()
             text = [Path(str(p).removesuffix(".hlo.pb") + ".txt") for p in new]
             ready = [(p, t) for p, t in zip(new, text, strict=True) if t.exists()]
             if ready and self._settled(ready[0]):
                 self.done(*ready[0])
                 return
-            time.sleep(0.01)
+            time.sleep(0.002)
 
     @staticmethod
     def _settled(files: tuple[Path, Path]) -> bool:

@@ -220,6 +220,20 @@ def sync() -> None:
     torch_xla.sync()
 
 
+def refuse_execution() -> None:
+    """Make the program being compiled raise instead of running once it is compiled.
+
+    torch_xla 2.9's guard for ``torch_xla.compile(full_graph=True)`` (torch_xla/torch_xla.py): with
+    ``XLAGraphExecutor::SetAllowExecution(false)``, ``ScheduleSyncTensorsGraph`` reaches
+    ``DebugUtil::analyze_graph_execution_python_frame`` (torch_xla/csrc/debug_util.cpp), which raises
+    "Unexpected execution happens inside the compiled function" before the program is scheduled.
+    Set while a compilation is under way, it stops the execution and nothing else.
+    """
+    import torch_xla
+
+    torch_xla._XLAC._set_allow_execution(False)
+
+
 def wait() -> None:
     """Block until every queued device computation has finished."""
     import torch_xla.core.xla_model as xm
