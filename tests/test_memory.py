@@ -143,23 +143,26 @@ def test_peak_is_persistent_state_plus_the_larger_phase():
 
 
 def test_the_tpu_layout_is_the_tpu_compilers():
-    """What the TPU compiler keeps (tpu_layout): one logits buffer in the compute dtype, 2.0 hidden-sized
-    tensors per checkpointed layer across chips (5 on one), the layer in hand with 2 fp32 MLP gradients (3 on one),
-    the head and one layer gathered, and full fine-tuning's gradient copies held for the optimizer."""
+    """What the TPU compiler keeps (tpu_layout): a logits buffer in the compute dtype (and its gradient beside
+    it when full fine-tuning trains the sharded head), 2.0 hidden-sized tensors per checkpointed layer across
+    chips (5 on one), the layer in hand with 2 fp32 MLP gradients (3 on one), the head and one layer gathered,
+    and full fine-tuning's gradient copies held for the optimizer once the layers' backward runs."""
     st = replace(BASE, dtype="bfloat16", length=64)
     p, t = plan(st), tpu_layout.transients(SHAPE, st, 0)
     tokens = 2 * 64
-    assert p.logits == t.logits == tokens * 100 * 2  # no fp32 copies: the loss is fused with the head
+    assert p.logits == t.logits == 2 * tokens * 100 * 2  # no fp32 copies: the loss is fused with the head
+    assert plan(replace(st, lora=True)).logits == tokens * 100 * 2  # LoRA's frozen head needs no gradient of it
     assert t.kept == int(3 * 2.0 * tokens * 64 * 2)
     one = replace(st, devices=1, global_batch=2)
     assert tpu_layout.kept(SHAPE, one, True) == 3 * 5 * tokens * 64 * 2
+    assert plan(one).logits == 2 * 64 * 100 * 2  # one chip: the head is not sharded, one buffer
     probabilities = 2 * 4 * 64 * 64 * 2  # [sequences, heads, length, length] in bf16
     assert t.layer == tokens * (9 * 64 + 160) * 2 + 2 * tokens * 160 * 4 + probabilities  # 2 fp32 MLP gradients
     assert p.workspace == (100 * 64 + 4 * 64 * 64 + 3 * 64 * 160) * 2 and plan(one).workspace == 0
     trained = sum(memory.shard_numel(x.shape, "fsdp", 4) for x in memory.parameters(SHAPE, st))
     assert p.gradient_phase == p.gradients + 5 * trained  # an fp32 copy of every gradient and part of the update
-    extra = p.workspace + 5 * trained
-    assert p.peak == p.weights + p.optimizer + p.gradients + max(t.kept + t.logits, t.kept + t.layer) + extra
+    loss_phase, layer_phase = t.kept + t.logits, t.kept + t.layer + 5 * trained  # no layer's gradient at the loss
+    assert p.peak == p.weights + p.optimizer + p.gradients + max(loss_phase, layer_phase) + p.workspace
     lora = plan(replace(st, lora=True))
     assert lora.gradient_phase == lora.gradients  # LoRA: nothing copied
     # The chunked loss keeps two blocks of 8 positions (64 / 8) of logits.
@@ -178,7 +181,9 @@ def test_fits_and_does_not_fit():
 
 def test_suggestions_turn_techniques_on_in_order_until_it_fits():
     llama = replace(SHAPE, vocab=32000)
-    worst = replace(BASE, strategy="replicated", checkpointing=False, length=1024, global_batch=16)
+    # LoRA: fully fine-tuned, this model (its embedding and head 97% of its 4.2 M parameters) is cheaper
+    # replicated, its trained head then unsharded (one logits buffer, not two: tpu_layout.TRAINED_HEAD_LOGITS).
+    worst = replace(BASE, lora=True, strategy="replicated", checkpointing=False, length=1024, global_batch=16)
     start = memory.plan_setting(llama, worst, "tpu", GiB)
     steps = memory_report.next_steps(llama, replace(start, capacity=start.needed // 8))
     names = [s.override for s in steps]
