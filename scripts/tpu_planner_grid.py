@@ -135,7 +135,8 @@ def main() -> int:
                     args.json.write_text(json.dumps(list(grid.values()), indent=2) + "\n")
     rows = list(grid.values())
     if rows:
-        for label, chosen in (("worst", rows), ("worst beyond tiny", [r for r in rows if r["model"] != "tiny"])):
+        beyond_tiny, width_3b = [r for r in rows if r["model"] != "tiny"], [r for r in rows if r["model"] == "w3b"]
+        for label, chosen in (("worst", rows), ("worst beyond tiny", beyond_tiny), ("worst at 3B width", width_3b)):
             if chosen:
                 worst = max(chosen, key=lambda r: abs(r["error"]))
                 print(f"{label}: {worst['model']} on {worst['device']}, {worst['point']}: {worst['error']:+.1%}")

@@ -248,8 +248,11 @@ def plan_rows(plan: Plan) -> list[tuple[str, int]]:
 
 
 def _quantized_label(plan: Plan) -> str:
-    if plan.layout == "tpu":  # what the TPU compiler keeps beyond a bf16 base: see memory.tpu_layout
+    st = plan.setting
+    if plan.layout == "tpu" and st.devices > 1 and st.strategy == "fsdp":  # beyond a bf16 base: memory.tpu_layout
         return "a quantized base's extra activations (every layer)"
+    if plan.layout == "tpu":
+        return "the int4 base's fp32 dequantization (one chip)"
     return f"dequantized weights ({plan.setting.dtype}, transient)"
 
 

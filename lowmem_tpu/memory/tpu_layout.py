@@ -96,9 +96,10 @@ def _gathering(s: Shape, st: Setting) -> str:
 
 
 # Chunked attention (plain PyTorch) in the layer in hand on a TPU: fp32 [sequences, heads, length, 128]
-# blocks in two layouts for every block of keys at once, i.e. two fp32 [length, length] (Open Llama
-# 3B's width at 4 layers, v5e-8: 17 such blocks live at the peak, 2.27 GiB per chip against 1.73 eager).
-CHUNKED_ATTENTION_FP32_SCORES = 2
+# blocks for every block of keys at once, counted in fp32 [length, length] score sets per sequence and
+# head: Open Llama 3B's width at 4 layers, 4 x 1024 tokens per chip, the steady step: 535 MiB above eager
+# attention on v5e-8 (1.5 sets, eager's bf16 probabilities given back), 262 MiB on v5e-1 (1.0).
+CHUNKED_ATTENTION_FP32_SCORES = {"sharded": 1.5, "one chip": 1.0}
 
 
 def probabilities(s: Shape, st: Setting) -> int:
@@ -108,7 +109,7 @@ def probabilities(s: Shape, st: Setting) -> int:
     if st.attention == "flash":
         return scores * min(128, st.length) * DTYPE_BYTES[st.dtype]
     if st.attention == "chunked":
-        return scores * st.length * 4 * CHUNKED_ATTENTION_FP32_SCORES
+        return int(scores * st.length * 4 * CHUNKED_ATTENTION_FP32_SCORES[_spread(st)])
     return scores * st.length * DTYPE_BYTES[st.dtype]
 
 
@@ -158,10 +159,22 @@ def freed_before_recompute(s: Shape, st: Setting) -> int:
 QUANTIZED_KEPT_PER_LAYER = {"weights gathered": 5.3, "activations gathered": 1.8, "one chip": 0.0}
 
 
+# On one chip an int4 base's nibbles are unpacked and scaled in fp32, a projection at a time: the step's
+# temporaries exceed a bf16 base's by 5.5 fp32 copies of the largest projection at Open Llama 3B's width
+# (4 layers, 4 x 1024 tokens: 575.6 MiB; three [8640, 3200] fp32 buffers live at the peak) and by 3.9 at
+# the 7B's (4 layers, 2 x 1024 tokens: 0.65 GiB), whatever the number of layers (the per-layer slope is
+# bf16's). int8 (one scale per row) shows none.
+INT4_ONE_CHIP_FP32_COPIES = 4.5
+
+
 def dequantized(s: Shape, st: Setting) -> int:
-    """What a quantized base keeps beyond a bf16 base's activations, per chip: every layer's extra buffers."""
+    """What a quantized base keeps beyond a bf16 base's activations, per chip: every layer's extra buffers
+    (across chips), or on one chip an int4 base's fp32 dequantization of a projection."""
     if not quantized(st):
         return 0
+    if _gathering(s, st) == "one chip":
+        largest = max(o * i for o, i in linears(s).values())
+        return int(INT4_ONE_CHIP_FP32_COPIES * largest * 4) if st.quantize == "int4" else 0
     per = QUANTIZED_KEPT_PER_LAYER[_gathering(s, st)]
     return int(s.layers * per * st.tokens * s.hidden * DTYPE_BYTES[st.dtype])
 
