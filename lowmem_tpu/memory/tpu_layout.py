@@ -14,7 +14,7 @@ v5e; ``scripts/tpu_planner_grid.py``, docs/memory.md), which differ from XLA:CPU
   program's tokens outnumber the projection's width (Open Llama 3B, 32 x 1024 tokens), else the
   activations (the 70B's width 8192 over 8 x 512 tokens: all-to-alls and [8, 512, 8192] gathers);
 - a checkpointed decoder layer keeps ``KEPT_PER_LAYER`` hidden-sized tensors per token (the slope
-  over the layers: Open Llama 3B, 2.0 under FSDP over 8 chips, 5.0 on one chip; Llama 2 70B's width
+  over the layers: Open Llama 3B, 2.0 under FSDP over 8 chips, 3.9 on one chip; Llama 2 70B's width
   in bf16, activations gathered, 3.3);
 - the layer being recomputed holds its activations, its probabilities, the MLP's gradients in
   fp32 (two [tokens, intermediate] across chips, three on one) and, under FSDP over several
@@ -42,9 +42,10 @@ from lowmem_tpu.memory.shape import Setting, Shape, linears
 
 # Hidden-sized tensors per token a checkpointed layer keeps (libtpu 0.0.21): Open Llama 3B's LoRA step at
 # 2 and 4 layers over 8 chips (weights gathered: 1.98, scripts/tpu_layer_slopes.py; it was 2.59 while the
-# step traced was the warm-up's first, at learning rate 0), from 4 to 26 layers on one chip, Llama 2 70B's
-# width at 2 and 4 layers in bf16 (8 x 512 tokens over 8 chips: the activations gathered).
-KEPT_PER_LAYER = {"weights gathered": 2.0, "activations gathered": 3.3, "one chip": 5.0}
+# step traced was the warm-up's first, at learning rate 0) and on one chip (3.93; 5.0 in the first-step
+# form; the 7B at 2 x 1024 tokens: 3.41), Llama 2 70B's width at 2 and 4 layers in bf16 (8 x 512 tokens
+# over 8 chips: the activations gathered).
+KEPT_PER_LAYER = {"weights gathered": 2.0, "activations gathered": 3.3, "one chip": 3.9}
 # Per token of the layer in hand: hidden-sized and intermediate-sized tensors in the compute dtype
 # (Open Llama 3B at 4 layers), and the MLP's fp32 gradients, intermediate-sized: two live at the
 # peak across chips, three on one (the buffers live at the compiler's peak, 8 chips and 1).
