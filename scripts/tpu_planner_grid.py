@@ -2,7 +2,7 @@
 
     .venv/bin/python scripts/tpu_planner_grid.py [--models tiny,mini,w3b] [--devices v5e-8,v5e-1] [--only NAME ...]
                                                 [--json docs/tpu_planner_grid.json] [--keep DIR]
-    .venv/bin/python scripts/tpu_planner_grid.py --json docs/tpu_planner_grid.json --replan
+    .venv/bin/python scripts/tpu_planner_grid.py --json docs/tpu_planner_grid.json --replan [--pivot]
 
 Each point is ``recipes/tiny_lora_cpu.yaml`` with overrides, its steady step traced with placeholders
 and compiled for the device (``lowmem-tpu memory --compile``), beside the planner's peak for the same
@@ -100,6 +100,18 @@ def print_row(row: dict) -> None:
     )
 
 
+def print_pivot(rows: list[dict]) -> None:
+    """The grid as docs/memory.md shows it: a row per point, the compiler's figure and the planner's error per column."""
+    columns = [(m, d) for m in ("w3b", "mini", "tiny") for d in ("v5e-8", "v5e-1")]
+    cells = {(r["model"], r["device"], r["point"]): r for r in rows}
+    print("| point | " + " | ".join(f"{m} {d}" for m, d in columns) + " |")
+    print("|---" * (len(columns) + 1) + "|")
+    for name in POINTS:
+        found = [cells.get((m, d, name)) for m, d in columns]
+        text = [f"{r['compiled'] / 2**20:.1f} ({r['error']:+.0%})" if r else "" for r in found]
+        print(f"| {name} | " + " | ".join(text) + " |")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="tiny,mini,w3b")
@@ -108,6 +120,7 @@ def main() -> int:
     parser.add_argument("--json", type=Path, default=None, help="the grid's figures (compiled points replace theirs)")
     parser.add_argument("--replan", action="store_true", help="compile nothing: re-plan every point in --json")
     parser.add_argument("--keep", type=Path, default=None, help="keep each point's trace and TPU dumps under DIR")
+    parser.add_argument("--pivot", action="store_true", help="also print the grid a row per point (docs/memory.md)")
     args = parser.parse_args()
     models = configs(Path(tempfile.mkdtemp(prefix="lowmem-grid-")))
     recorded = json.loads(args.json.read_text()) if args.json and args.json.exists() else []
@@ -140,6 +153,8 @@ def main() -> int:
             if chosen:
                 worst = max(chosen, key=lambda r: abs(r["error"]))
                 print(f"{label}: {worst['model']} on {worst['device']}, {worst['point']}: {worst['error']:+.1%}")
+    if args.pivot:
+        print_pivot(rows)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
     return 0
