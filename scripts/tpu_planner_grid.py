@@ -101,7 +101,7 @@ def print_row(row: dict) -> None:
 
 
 def print_pivot(rows: list[dict]) -> None:
-    """The grid as docs/memory.md shows it: a row per point, the compiler's figure and the planner's error per column."""
+    """The grid as docs/memory.md shows it: a row per point, the compiler's figure and the error per column."""
     columns = [(m, d) for m in ("w3b", "mini", "tiny") for d in ("v5e-8", "v5e-1")]
     cells = {(r["model"], r["device"], r["point"]): r for r in rows}
     print("| point | " + " | ".join(f"{m} {d}" for m, d in columns) + " |")
