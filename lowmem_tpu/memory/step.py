@@ -189,13 +189,7 @@ def _trace_hook(record: dict[str, Any], result: Path) -> Any:
             ProgramWatcher(dump, done).start()
 
         def on_step_end(self, args, state, control, **kwargs) -> None:
-            try:
-                rt.sync()  # hands the step to the CPU compiler: the watcher refuses its execution, takes it, leaves
-            except RuntimeError:
-                # The execution refused, or TPU-only code (a Pallas kernel) the CPU compiler refuses after
-                # the dump was written: the watcher takes the program, unless the refusal came before.
-                time.sleep(30)
-                raise
+            rt.sync()  # hands the step to the CPU compiler: the watcher refuses its execution, takes it, leaves
             time.sleep(600)  # never reached unless the dump is missing
 
     return Hook()
@@ -229,7 +223,15 @@ def _trace(recipe: Recipe, runtime: Any, micro: int, record: dict[str, Any], res
     trainer._fp32_copy = fp32_copy
     trainer.placeholder_weights = True
     with placeholders_unmarked():
-        trainer.train()
+        try:
+            trainer.train()
+        except RuntimeError:
+            # The program's execution refused (at on_step_end's sync, or with accumulation at the sync after
+            # the first micro-batch's backward, inside the trainer's step), or TPU-only code (a Pallas kernel)
+            # the CPU compiler refused after the dump was written: the watcher takes the program and leaves,
+            # unless the refusal came before the dump.
+            time.sleep(30)
+            raise
     raise RuntimeError("the step's program was not handed to the compiler")
 
 
