@@ -21,7 +21,7 @@ from lowmem_tpu.errors import UserError
 from lowmem_tpu.memory import tpu_compile
 from lowmem_tpu.memory.compiler import out_of_memory
 from lowmem_tpu.memory.tpu_compile import TpuCompile, compile_target
-from lowmem_tpu.memory.tpu_report import format_compile
+from lowmem_tpu.memory.tpu_report import cost_bounds, format_compile
 from lowmem_tpu.xla.tpu_compiler import buffer_donors, fsdp_sharding
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -205,6 +205,9 @@ def test_a_step_too_big_to_compile_here_is_the_line_through_2_and_4_layers(tmp_p
     assert whole.arguments == 260 and whole.cost["flops"] == 32.0
     assert whole.compile_seconds == 4.0 and whole.host_peak_rss_bytes == 90  # what was spent here, not a guess
     assert "extrapolated: the whole step was too big to compile" in format_compile(whole, 480, {}, None)
+    assert cost_bounds(whole, 1.0)["reported"]
+    scanned = cost_bounds(whole, 1.0, scanned=True)  # a loop's body counted once: no bound drawn
+    assert not scanned["reported"] and "counts the scanned layer once" in format_compile(whole, 480, scanned, None)
     refused = replace(b, refused=out_of_memory("Ran out of memory in memory space hbm. Used 20.00G of 15.75G hbm."))
     assert not extrapolate({2: a, 4: refused}, 32).fits  # too big at 4 layers: too big at 32
 

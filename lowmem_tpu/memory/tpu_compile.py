@@ -319,7 +319,7 @@ def compile_beside_plan(
     per_token = flops_per_token(
         config, plan.total_parameters, plan.trainable_parameters, recipe.data.max_length, recipe.lora.enabled
     )
-    cost = cost_bounds(result, per_token * tokens / device.devices)
+    cost = cost_bounds(result, per_token * tokens / device.devices, recipe.sharding.scan_layers)
     advice = None
     if not result.fits and result.error is None and result.needed:
         # The planner, told the compiler's verdict: its capacity scaled by how far apart they are.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch import nn
 
@@ -71,18 +73,43 @@ class ScannedLayers(nn.Module):
     def forward(self, hidden_states, attention_mask=None, position_embeddings=None, **kwargs):
         from torch_xla.experimental.scan import scan  # under SPMD it calls into jax
 
-        partition = {}
-        if self.checkpoint:
-            # Recompute inside the scanned layer in backward instead of saving its activations.
-            from functorch.compile import min_cut_rematerialization_partition
-
-            partition["partition_fn"] = min_cut_rematerialization_partition
+        partition = {"partition_fn": recompute_all_partition} if self.checkpoint else {}
         params = [dict(layer.named_parameters()) for layer in self.layers]
         buffers = [dict(layer.named_buffers()) for layer in self.layers]
         stacked = tuple({k: self._stack([d[k] for d in ds]) for k in ds[0]} for ds in (params, buffers))
         mask = () if attention_mask is None else (attention_mask,)
         carry, _ = scan(self._one_layer, (hidden_states, *position_embeddings, *mask), stacked, **partition)
         return carry[0]
+
+
+def _is_random(node: torch.fx.Node) -> bool:
+    return isinstance(node.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in node.target.tags
+
+
+def recompute_all_partition(joint_module: torch.fx.GraphModule, joint_inputs, **kwargs):
+    """Split the scanned layer's joint graph so that backward recomputes everything from the layer's
+    inputs, as ``torch.utils.checkpoint`` does.
+
+    torch_xla 2.9's ``scan`` (``torch_xla/experimental/scan.py``, ``partition_fn``) saves whatever the
+    forward graph hands to the backward one as ys stacked over the layers. functorch's min-cut
+    partition alone never recomputes a matmul, so it saves their outputs: for every layer the fp32
+    attention probabilities and the MLP intermediates, 34 GiB per v5e-8 chip for the 3B LoRA step
+    (docs/tpu_compiler.md). Marking each op ``MUST_RECOMPUTE`` (the tag ``torch.utils.checkpoint``'s
+    selective policies set) leaves only the inputs to save. Random ops (and the items of their tuples)
+    keep the partitioner's choice, which saves them: a recomputed dropout mask would differ.
+    """
+    from functorch.compile import min_cut_rematerialization_partition
+    from torch._functorch import config
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    for node in joint_module.graph.nodes:
+        drawn = _is_random(node) or (node.target is operator.getitem and _is_random(node.args[0]))
+        if node.op == "call_function" and "recompute" not in node.meta and not drawn:
+            node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+            node.meta["ac_graph_id"] = 0  # one checkpointed region: the layer
+    bans = ("used_far_apart", "long_fusible_chains", "materialized_backward", "not_in_allowlist", "reductions")
+    with config.patch({f"ban_recompute_{ban}": False for ban in bans} | {"recompute_views": True}):
+        return min_cut_rematerialization_partition(joint_module, joint_inputs, **kwargs)
 
 
 def _require_scan_extra() -> None:
