@@ -199,6 +199,12 @@ def test_suggestions_turn_techniques_on_in_order_until_it_fits():
     peaks = [start.peak] + [s.plan.peak for s in steps]
     assert all(b < a for a, b in itertools.pairwise(peaks))
     assert memory_report.next_steps(llama, replace(start, capacity=start.needed // 3))[-1].plan.fits
+    # Pasted as one command line: one override per field, its last value.
+    line = memory_report.together(steps).split()
+    assert len(line) == len({o.split("=")[0] for o in names}) and "sharding.activation_checkpointing=true" in line
+    assert [o for o in line if o.startswith("train.gradient_accumulation_steps")] == [
+        [n for n in names if n.startswith("train.gradient_accumulation_steps")][-1]
+    ]
 
 
 def test_suggestions_stop_when_nothing_is_left():

@@ -267,6 +267,12 @@ def _verdict(plan: Plan) -> str:
     return f"{gib(plan.needed)} of {gib(plan.capacity)}: {state}"
 
 
+def together(steps: list[Step]) -> str:
+    """The chain's overrides as one command line: the last value of each field (accumulation 2, 4, 8 -> 8)."""
+    final = {step.override.split("=", 1)[0]: step.override for step in steps}
+    return " ".join(final.values())
+
+
 def format_plan(title: str, plan: Plan, steps: list[Step]) -> list[str]:
     """One plan as text: its components in bytes and GiB, the verdict, and the next steps."""
     st = plan.setting
@@ -278,6 +284,8 @@ def format_plan(title: str, plan: Plan, steps: list[Step]) -> list[str]:
     lines.append(f"  needed: {_verdict(plan)}")
     for i, step in enumerate(steps, 1):
         lines.append(f"    {i}. + {step.technique}  [{step.override}]  -> {_verdict(step.plan)}")
+    if len(steps) > 1 and steps[-1].plan.fits:
+        lines.append(f"    all together: {together(steps)}")
     if not plan.fits and (not steps or not steps[-1].plan.fits):
         lines.append("    nothing left to turn on: use a larger TPU or a smaller model")
     return lines

@@ -304,7 +304,7 @@ def compile_beside_plan(
     """
     from dataclasses import replace
 
-    from lowmem_tpu.memory.advise import next_steps, plan_recipe
+    from lowmem_tpu.memory.advise import next_steps, plan_recipe, together
     from lowmem_tpu.memory.plan import plan_setting
     from lowmem_tpu.memory.shape import require_config, shape_of
     from lowmem_tpu.memory.tpu_report import compile_json, cost_bounds, format_compile
@@ -327,7 +327,7 @@ def compile_beside_plan(
         scaled = int(plan.capacity * plan.peak / result.needed)
         steps = next_steps(shape, plan_setting(shape, replace(plan.setting), plan.layout, scaled))
         if steps and steps[-1].plan.fits:  # the whole chain: one step may not be enough (full FT on one chip)
-            advice = " ".join(s.override for s in steps) + " (the planner's steps until it fits, then --compile again)"
+            advice = together(steps) + " (the planner's steps until it fits, then --compile again)"
         else:
             advice = "a larger TPU or a smaller model (nothing in the recipe makes it fit, per the planner)"
     out = compile_json(result, plan.peak, cost) | ({"next_step": advice} if advice else {})
