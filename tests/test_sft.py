@@ -70,6 +70,14 @@ def test_lora_output_files(lora_run):
     assert metrics["train"]["steady_tokens_per_second"] > 0
 
 
+def test_no_device_loader_thread_outlives_the_run(lora_run):
+    # 12 steps of 16 sequences stop mid-epoch: torch_xla's prefetch threads would stay blocked, batches held.
+    import threading
+
+    feeding = [t.name for t in threading.enumerate() if t.name.endswith(("(_loader_worker)", "(_worker)"))]
+    assert not feeding, feeding
+
+
 def test_parameters_are_really_sharded(lora_run):
     from lowmem_tpu.xla.device import sharding_spec
 

@@ -104,6 +104,7 @@ class XlaSFTTrainer(SFTTrainer):
         self.save_compiles: dict[int, int] = {}  # step -> XLA compilations its checkpoint caused
         self.save_seconds: dict[int, float] = {}  # step -> seconds its checkpoint took
         self._last_log: tuple[float, dict[str, float]] | None = None
+        self._device_loaders: list[Any] = []  # the train dataloaders handed out, closed after train()
         super().__init__(data_collator=collate, **kwargs)
         if recipe.train.chunked_loss:
             add_chunked_loss(self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model)
@@ -111,7 +112,31 @@ class XlaSFTTrainer(SFTTrainer):
     def train(self, *args: Any, **kwargs: Any) -> Any:
         self._last_log = (time.perf_counter(), {"step": self.state.global_step})
         self._batches_just_fetched = 0
-        return super().train(*args, **kwargs)
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            self._close_device_loaders()
+
+    def get_train_dataloader(self) -> Any:
+        loader = super().get_train_dataloader()
+        self._device_loaders.append(loader)
+        return loader
+
+    def _close_device_loaders(self) -> None:
+        """Stop the threads that feed the device.
+
+        On XLA, accelerate wraps each dataloader in torch_xla's ``MpDeviceLoader``, and each iteration of
+        it starts a ``ParallelLoader``: daemon threads that prefetch batches onto the device. A run that
+        stops mid-epoch (``max_steps``, a stop request, a refused trace) leaves them blocked on a full
+        queue for the life of the process, batches held. ``ParallelLoader.close`` wakes and joins them
+        (torch_xla 2.9, ``distributed/parallel_loader.py``).
+        """
+        for loader in self._device_loaders:
+            parallel = getattr(loader, "_parallel_loader", None)
+            if parallel is not None:
+                parallel.close()
+                loader._parallel_loader = None
+        self._device_loaders.clear()
 
     def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> Any:
         loss = super().training_step(model, inputs, num_items_in_batch)
