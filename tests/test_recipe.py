@@ -263,6 +263,7 @@ def test_unknown_key_in_the_wrong_section_points_to_the_right_one(key, suggestio
         ("data.max_length=1", "data.max_length: Input should be greater than 1 (got 1)"),
         ("train.optimizer=sgd", "train.optimizer: Input should be 'adamw' or 'adafactor' (got 'sgd')"),
         ("lora=true", "lora: must be a mapping of lora keys (enabled, r, alpha, dropout, target_modules) (got True)"),
+        ("data.columns=5", "data.columns: must be a mapping (got 5); the format's fields read from other columns"),
         ("lora.target_modules=5", "lora.target_modules: Input should be a valid list or 'all-linear' (got 5)"),
         ("lora.target_modules=[q_proj,3]", "lora.target_modules[1]: Input should be a valid string (got 3)"),
     ],

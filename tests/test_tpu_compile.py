@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from lowmem_tpu.config import load_recipe
 from lowmem_tpu.errors import UserError
 from lowmem_tpu.memory import tpu_compile
 from lowmem_tpu.memory.compiler import out_of_memory
@@ -166,6 +167,9 @@ def test_bad_input_exits_2_with_the_fix(monkeypatch):
     assert legacy.returncode == 2 and "no v3-8" in legacy.stderr
     split = cli("memory", TINY, "train.global_batch_size=12", "--compile", "--device", "v5e-8")
     assert split.returncode == 2 and "12" in split.stderr and "Traceback" not in split.stderr
+    assert "tracing" not in split.stderr  # refused before the trace is announced
+    both = cli("memory", TINY, "--measure", "--compile", "--device", "v5e-8")
+    assert both.returncode == 2 and "one at a time" in both.stderr
     flash = cli("memory", TINY, "model.attn_implementation=flash", "--compile", "--device", "v5e-8")  # 24 tokens
     assert flash.returncode == 2 and "24 cannot be tiled" in flash.stderr and "Traceback" not in flash.stderr
     with pytest.raises(UserError, match=r"unknown device 'nope'"):
@@ -173,6 +177,27 @@ def test_bad_input_exits_2_with_the_fix(monkeypatch):
     monkeypatch.setattr(tpu_compile.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(UserError, match=r"\.\[compiler\]"):
         tpu_compile.require_compiler()
+
+
+def test_scan_layers_without_its_extra_is_one_line_from_parent_and_child(monkeypatch):
+    import importlib.metadata
+
+    def absent(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(tpu_compile.importlib.metadata, "version", absent)
+        with pytest.raises(UserError, match="make install-scan"):
+            tpu_compile.require_scan_extra(load_recipe(TINY, ["sharding.scan_layers=true"]))
+    try:
+        importlib.metadata.version("torchax")
+        pytest.skip("the [scan] extra is installed here: scan_layers traces")
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    for flags in (["--compile", "--device", "v5e-8"], ["--measure"]):  # --measure: the child's error, said
+        done = cli("memory", TINY, "sharding.scan_layers=true", *flags)
+        assert done.returncode == 2 and "make install-scan" in done.stderr, done.stderr
+        assert "Traceback" not in done.stderr, done.stderr
 
 
 def test_full_fine_tuning_in_bf16_traces_with_its_fp32_master_weights():

@@ -137,11 +137,18 @@ def memory(
         typer.Option(
             "--compile",
             help="Compile the recipe's steady training step with the TPU compiler for --device (libtpu's "
-            "compile-only client: no TPU needed, no weights made) and print its per-chip memory beside the plan.",
+            "compile-only client: no TPU needed, no weights made) and print its per-chip memory beside the "
+            "planner's peak.",
         ),
     ] = False,
 ) -> None:
     """Plan per-device memory of the recipe and its twin (LoRA <-> full); say what to turn on if it does not fit."""
+    if compile_ and measure:
+        fail(
+            UserError(
+                "--measure and --compile each compile the step (for the devices here, for --device): one at a time"
+            )
+        )
     if compile_:
         _compile(recipe, overrides, device, as_json)
         return
@@ -172,7 +179,14 @@ def memory(
 def _compile(recipe: str | None, overrides: list[str] | None, device: str | None, as_json: bool) -> None:
     """``memory --compile``: the TPU compiler's verdict on the recipe's step for one TPU."""
     try:
-        from lowmem_tpu.memory.tpu_compile import compile_beside_plan, compile_target, require_compiler
+        from lowmem_tpu.memory.advise import plan_recipe
+        from lowmem_tpu.memory.tpu_compile import (
+            compile_beside_plan,
+            compile_target,
+            require_compiler,
+            require_scan_extra,
+        )
+        from lowmem_tpu.memory.tpu_layers import compile_or_extrapolate
 
         loaded = load_args(recipe, [*(overrides or []), "runtime.device=tpu"])
         name = device or loaded.runtime.target
@@ -180,12 +194,10 @@ def _compile(recipe: str | None, overrides: list[str] | None, device: str | None
             raise UserError("--compile compiles for a TPU: name one with --device (e.g. v5e-8, v5e-1)")
         target = compile_target(name)
         require_compiler()
+        require_scan_extra(loaded)
+        plan_recipe(loaded, target.name)  # a batch the chips do not split is refused before any compile
         where = f"{target.devices} CPU device(s)"
         typer.echo(f"tracing the step on {where}, then compiling it for {target.name}...", err=True)
-        from lowmem_tpu.memory.advise import plan_recipe
-        from lowmem_tpu.memory.tpu_layers import compile_or_extrapolate
-
-        plan_recipe(loaded, target.name)  # a batch the chips do not split is refused before any compile
         compiled = compile_or_extrapolate(loaded, target)
         result, record, text = compile_beside_plan(loaded, target.name, compiled)
     except UserError as err:

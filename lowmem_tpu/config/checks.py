@@ -46,7 +46,7 @@ def cross_problems(recipe: Recipe) -> list[tuple[tuple[str, ...], str]]:
         problems.append((("model.quantize", "lora.enabled"), message))
     if model.quantize != "none" and recipe.sharding.scan_layers:
         message = (
-            f"model.quantize: a {model.quantize} base is not supported with sharding.scan_layers yet "
+            f"model.quantize: an {model.quantize} base is not supported with sharding.scan_layers yet "
             "(the scanned layer is traced functionally, the quantized projections are not); "
             "set sharding.scan_layers: false or model.quantize: none"
         )

@@ -11,6 +11,18 @@ from lowmem_tpu.config.checks import cross_problems
 from lowmem_tpu.config.schema import DEFER_CROSS_CHECKS, Recipe, RecipeError
 
 
+def _description(keys: tuple[str, ...]) -> str:
+    """The schema's description of the field at ``keys``."""
+    model: Any = Recipe
+    try:
+        for key in keys[:-1]:
+            model = model.model_fields[key].annotation
+        text = str(model.model_fields[keys[-1]].description or "a mapping of names to values").rstrip(".")
+    except (AttributeError, KeyError):
+        text = "a mapping of names to values"
+    return text[:1].lower() + text[1:]
+
+
 def _section_fields(keys: tuple[str, ...]) -> list[str]:
     """Field names of the section at ``keys`` (``()`` is the top level); [] when not a section."""
     model: type[BaseModel] = Recipe
@@ -71,6 +83,8 @@ def _describe(keys: tuple[str, ...], errors: list[tuple[tuple[Any, ...], dict[st
         return [f"{path}: unknown key{hint} (valid: {', '.join(valid)})"]
     if first["type"] in {"model_type", "dict_type"} and len(errors) == 1:
         valid = ", ".join(_section_fields(keys))
+        if not valid:  # a mapping field, not a section (data.columns): its description says what it maps
+            return [f"{path}: must be a mapping{_got(first.get('input'))}; {_description(keys)}"]
         return [f"{path}: must be a mapping of {keys[-1]} keys ({valid}){_got(first.get('input'))}"]
     # A union (e.g. a list of names or "all-linear") reports one error per alternative, tagged by
     # name in the location. Keep the alternative that got furthest; if none did, join them.

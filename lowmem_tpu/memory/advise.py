@@ -307,12 +307,16 @@ def small_plan_note(plan: Plan) -> str | None:
     )
 
 
+def twin_overrides(plan: Plan) -> list[str]:
+    """The overrides that turn the recipe into its twin (LoRA <-> full, a quantized base in bf16)."""
+    twin = ["lora.enabled=false" if plan.setting.lora else "lora.enabled=true"]
+    return twin + (["model.quantize=none"] if plan.setting.quantize != "none" else [])
+
+
 def format_report(report: MemoryReport) -> str:
     """The ``lowmem-tpu memory`` output."""
     d = report.device
-    twin = "lora.enabled=false" if report.plan.setting.lora else "lora.enabled=true"
-    if report.plan.setting.quantize != "none":
-        twin += " model.quantize=none"
+    twin = " ".join(twin_overrides(report.plan))
     lines = [f"{report.model} on {d.name} ({d.about}), per device ({report.plan.layout} layout)", ""]
     lines += [*format_plan("the recipe", report.plan, report.steps), ""]
     if note := small_plan_note(report.plan):
@@ -360,5 +364,6 @@ def report_json(report: MemoryReport) -> dict[str, Any]:
         "model": report.model,
         "device": report.device.__dict__,
         "recipe": plan_json(report.plan) | {"next_steps": steps(report.steps), "note": small_plan_note(report.plan)},
-        "twin": plan_json(report.twin) | {"next_steps": steps(report.twin_steps)},
+        "twin": plan_json(report.twin)
+        | {"overrides": twin_overrides(report.plan), "next_steps": steps(report.twin_steps)},
     }

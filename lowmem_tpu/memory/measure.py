@@ -110,6 +110,9 @@ class StepMeasurement:
     missing: str | None = None
 
 
+USER_ERROR = "user_error.txt"  # beside the child's result: a UserError's message, for the parent to say
+
+
 def spawn_step(
     kind: str, recipe: Recipe, overrides: list[str], steps: int, env: dict[str, str], timeout: float
 ) -> dict[str, Any]:
@@ -126,6 +129,9 @@ def spawn_step(
             done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
             raise UserError(f"{what} took over {timeout:.0f} s") from None
+        said = work / USER_ERROR
+        if said.exists():  # the recipe or this install, refused in the child: its message, not a traceback
+            raise UserError(said.read_text())
         if not (work / "result.json").exists():
             tail = "\n".join(line for line in done.stderr.splitlines() if "GSPMD" not in line)[-3000:]
             raise UserError(f"{what} failed (exit {done.returncode}):\n{tail}")

@@ -22,7 +22,7 @@ from typing import Any
 from lowmem_tpu.config import Recipe, load_recipe
 from lowmem_tpu.errors import UserError
 from lowmem_tpu.memory.compiler import out_of_memory
-from lowmem_tpu.memory.measure import persistent_state
+from lowmem_tpu.memory.measure import USER_ERROR, persistent_state
 
 
 def build_sharded_model(recipe: Recipe, runtime: Any) -> Any:
@@ -280,4 +280,8 @@ def _child(kind: str, recipe_path: str, steps: int, result: Path, overrides: lis
 
 
 if __name__ == "__main__":  # the subprocess of measure.compile_step and measure.run_steps
-    _child(sys.argv[1], sys.argv[2], int(sys.argv[3]), Path(sys.argv[4]), sys.argv[5:])
+    try:
+        _child(sys.argv[1], sys.argv[2], int(sys.argv[3]), Path(sys.argv[4]), sys.argv[5:])
+    except UserError as err:  # the parent says it as its own (measure.spawn_step): no child's traceback
+        Path(sys.argv[4]).with_name(USER_ERROR).write_text(str(err))
+        sys.exit(2)
