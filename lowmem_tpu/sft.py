@@ -118,6 +118,10 @@ def _run_sft(recipe: Recipe, runtime: Any, overwrite: bool, force_resume: bool, 
     from lowmem_tpu.train.metrics import check_reporters
 
     check_reporters(recipe.train.reporters)  # a missing integration fails now, not after loading
+    if recipe.sharding.scan_layers:
+        from lowmem_tpu.xla.scan import require_scan_extra
+
+        require_scan_extra()  # a missing extra fails now, not after the base is saved
     if recipe.hub.push:
         from lowmem_tpu.publish.hub import check_push_ready
 

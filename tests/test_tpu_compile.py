@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 
-from lowmem_tpu.config import load_recipe
 from lowmem_tpu.errors import UserError
 from lowmem_tpu.memory import tpu_compile
 from lowmem_tpu.memory.compiler import out_of_memory
@@ -179,16 +178,18 @@ def test_bad_input_exits_2_with_the_fix(monkeypatch):
         tpu_compile.require_compiler()
 
 
-def test_scan_layers_without_its_extra_is_one_line_from_parent_and_child(monkeypatch):
+def test_scan_layers_without_its_extra_is_one_line_before_anything_runs(monkeypatch, tmp_path):
     import importlib.metadata
 
     def absent(name):
         raise importlib.metadata.PackageNotFoundError(name)
 
+    from lowmem_tpu.xla import scan
+
     with monkeypatch.context() as patch:
-        patch.setattr(tpu_compile.importlib.metadata, "version", absent)
-        with pytest.raises(UserError, match="make install-scan"):
-            tpu_compile.require_scan_extra(load_recipe(TINY, ["sharding.scan_layers=true"]))
+        patch.setattr(scan.importlib.metadata, "version", absent)
+        with pytest.raises(UserError, match=r"not installed as a package.*make install-scan"):
+            scan.require_scan_extra(load=False)
     try:
         importlib.metadata.version("torchax")
         pytest.skip("the [scan] extra is installed here: scan_layers traces")
@@ -198,6 +199,8 @@ def test_scan_layers_without_its_extra_is_one_line_from_parent_and_child(monkeyp
         done = cli("memory", TINY, "sharding.scan_layers=true", *flags)
         assert done.returncode == 2 and "make install-scan" in done.stderr, done.stderr
         assert "Traceback" not in done.stderr, done.stderr
+    sft = cli("sft", TINY, "sharding.scan_layers=true", f"output_dir={tmp_path / 'out'}")
+    assert sft.returncode == 2 and "make install-scan" in sft.stderr and not (tmp_path / "out" / "base").exists()
 
 
 def test_full_fine_tuning_in_bf16_traces_with_its_fp32_master_weights():

@@ -180,12 +180,7 @@ def _compile(recipe: str | None, overrides: list[str] | None, device: str | None
     """``memory --compile``: the TPU compiler's verdict on the recipe's step for one TPU."""
     try:
         from lowmem_tpu.memory.advise import plan_recipe
-        from lowmem_tpu.memory.tpu_compile import (
-            compile_beside_plan,
-            compile_target,
-            require_compiler,
-            require_scan_extra,
-        )
+        from lowmem_tpu.memory.tpu_compile import compile_beside_plan, compile_target, require_compiler
         from lowmem_tpu.memory.tpu_layers import compile_or_extrapolate
 
         loaded = load_args(recipe, [*(overrides or []), "runtime.device=tpu"])
@@ -194,7 +189,10 @@ def _compile(recipe: str | None, overrides: list[str] | None, device: str | None
             raise UserError("--compile compiles for a TPU: name one with --device (e.g. v5e-8, v5e-1)")
         target = compile_target(name)
         require_compiler()
-        require_scan_extra(loaded)
+        if loaded.sharding.scan_layers:
+            from lowmem_tpu.xla.scan import require_scan_extra
+
+            require_scan_extra(load=False)
         plan_recipe(loaded, target.name)  # a batch the chips do not split is refused before any compile
         where = f"{target.devices} CPU device(s)"
         typer.echo(f"tracing the step on {where}, then compiling it for {target.name}...", err=True)

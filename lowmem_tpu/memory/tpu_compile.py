@@ -109,29 +109,15 @@ class TracedStep:
     resident: int = 0  # per chip: what stays in HBM beside the program without being its argument
 
 
-def require_scan_extra(recipe: Recipe) -> None:
-    """Refuse ``sharding.scan_layers`` without the [scan] extra here, before a child fails on it.
-
-    torch_xla 2.9's wheel ships a ``torchax`` of its own, without package metadata, that imports flax:
-    it is found but does not import. ``make install-scan`` installs torchax itself, with metadata.
-    """
-    if not recipe.sharding.scan_layers:
-        return
-    try:
-        importlib.metadata.version("torchax")
-    except importlib.metadata.PackageNotFoundError:
-        raise UserError(
-            "sharding.scan_layers: needs jax and torchax (only torch_xla's bundled copy is here, and it needs "
-            "flax); install them with: make install-scan"
-        ) from None
-
-
 def trace_step(recipe: Recipe, device: Device, work: Path, timeout: float = 3600) -> TracedStep:
     """Trace the recipe's steady step on ``device.devices`` CPU devices, weights as placeholders, into ``work``."""
     from lowmem_tpu.memory.measure import spawn_step, with_user_flags
 
     n = device.devices
-    require_scan_extra(recipe)
+    if recipe.sharding.scan_layers:  # checked before a child fails on it
+        from lowmem_tpu.xla.scan import require_scan_extra
+
+        require_scan_extra(load=False)
     dump = work / "trace"
     dump.mkdir(parents=True, exist_ok=True)
     # Checked as the TPU run it stands for (flash is a TPU field); the child traces it on the CPU.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import operator
 
 import torch
@@ -112,20 +113,29 @@ def recompute_all_partition(joint_module: torch.fx.GraphModule, joint_inputs, **
         return min_cut_rematerialization_partition(joint_module, joint_inputs, **kwargs)
 
 
-def _require_scan_extra() -> None:
-    # torch_xla 2.9's scan keeps carries sharded alike through jax (xb.call_jax needs jax and torchax),
-    # which torch_xla imports itself: here only their presence is checked (jax stays out of this module).
+def require_scan_extra(load: bool = True) -> None:
+    """Refuse ``sharding.scan_layers`` without the [scan] extra, before anything is built or traced.
+
+    torch_xla 2.9's scan keeps carries sharded alike through jax (``xb.call_jax`` needs jax and torchax).
+    Its wheel ships a ``torchax`` of its own, without package metadata, that imports flax: found, but it
+    does not import. ``make install-scan`` installs torchax itself, with metadata. ``load=False`` checks
+    the metadata only (the parent of a trace, which keeps torchax out of its process).
+    """
     try:
-        import torchax  # noqa: F401  (imports jax; its bundled copy also imports flax)
-    except ImportError as err:
+        importlib.metadata.version("torchax")
+        if load:
+            import torchax  # noqa: F401  (imports jax)
+    except (importlib.metadata.PackageNotFoundError, ImportError) as err:
+        unlisted = isinstance(err, importlib.metadata.PackageNotFoundError)
+        found = "torchax is not installed as a package; torch_xla's bundled copy needs flax" if unlisted else err
         raise UserError(
-            f"sharding.scan_layers: needs jax and torchax ({err}); install them with: make install-scan"
+            f"sharding.scan_layers: needs jax and torchax ({found}); install them with: make install-scan"
         ) from None
 
 
 def scan_decoder(model: nn.Module, layer: type[nn.Module], checkpoint: bool) -> None:
     """Replace the model's list of ``layer`` modules by one :class:`ScannedLayers`."""
-    _require_scan_extra()
+    require_scan_extra()
     for module in model.modules():
         layers = getattr(module, "layers", None)
         if isinstance(layers, nn.ModuleList) and layers and all(isinstance(m, layer) for m in layers):
