@@ -113,15 +113,14 @@ def run_sft(recipe: Recipe, overwrite: bool = False, force_resume: bool = False)
 
 
 def _run_sft(recipe: Recipe, runtime: Any, overwrite: bool, force_resume: bool, started: float) -> SftRun:
-    out = prepare_output(recipe, overwrite)
-    hosts.check_shared(out)
     from lowmem_tpu.train.metrics import check_reporters
+    from lowmem_tpu.xla.scan import require_scan_extra
 
     check_reporters(recipe.train.reporters)  # a missing integration fails now, not after loading
     if recipe.sharding.scan_layers:
-        from lowmem_tpu.xla.scan import require_scan_extra
-
-        require_scan_extra()  # a missing extra fails now, not after the base is saved
+        require_scan_extra()  # before --overwrite clears the output_dir
+    out = prepare_output(recipe, overwrite)
+    hosts.check_shared(out)
     if recipe.hub.push:
         from lowmem_tpu.publish.hub import check_push_ready
 
@@ -158,7 +157,6 @@ def _run_sft(recipe: Recipe, runtime: Any, overwrite: bool, force_resume: bool, 
         )
         return SftRun({}, where, job.trainer, job.names, stopped=job.guard.stop_reason)
     after = _evaluate(job, prompts, "after training")
-
     from lowmem_tpu.memory.record import memory_record
     from lowmem_tpu.train.report import print_summary, run_metrics
 

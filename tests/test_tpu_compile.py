@@ -199,8 +199,14 @@ def test_scan_layers_without_its_extra_is_one_line_before_anything_runs(monkeypa
         done = cli("memory", TINY, "sharding.scan_layers=true", *flags)
         assert done.returncode == 2 and "make install-scan" in done.stderr, done.stderr
         assert "Traceback" not in done.stderr, done.stderr
-    sft = cli("sft", TINY, "sharding.scan_layers=true", f"output_dir={tmp_path / 'out'}")
-    assert sft.returncode == 2 and "make install-scan" in sft.stderr and not (tmp_path / "out" / "base").exists()
+    kept = tmp_path / "out" / "final" / "adapter_config.json"  # an earlier run's, which --overwrite would clear
+    kept.parent.mkdir(parents=True)
+    kept.write_text("{}")
+    sft = cli("sft", TINY, "sharding.scan_layers=true", f"output_dir={tmp_path / 'out'}", "--overwrite")
+    assert sft.returncode == 2 and "make install-scan" in sft.stderr and "Traceback" not in sft.stderr
+    assert kept.exists() and not (tmp_path / "out" / "base").exists()
+    valid = cli("validate", TINY, "sharding.scan_layers=true")
+    assert valid.returncode == 2 and "make install-scan" in valid.stderr
 
 
 def test_full_fine_tuning_in_bf16_traces_with_its_fp32_master_weights():

@@ -26,6 +26,10 @@ def validate(recipe: RecipeArg = None, overrides: OverridesArg = None) -> None:
         if problem:
             raise UserError(problem)
         configure_environment(loaded.runtime)
+        if loaded.sharding.scan_layers:  # valid, but not runnable here without its extra
+            from lowmem_tpu.xla.scan import require_scan_extra
+
+            require_scan_extra(load=False)
         summary = check_model(loaded)
     except UserError as err:
         fail(err)
