@@ -114,11 +114,10 @@ def run_sft(recipe: Recipe, overwrite: bool = False, force_resume: bool = False)
 
 def _run_sft(recipe: Recipe, runtime: Any, overwrite: bool, force_resume: bool, started: float) -> SftRun:
     from lowmem_tpu.train.metrics import check_reporters
-    from lowmem_tpu.xla.scan import require_scan_extra
+    from lowmem_tpu.xla.extras import require_scan_extra
 
     check_reporters(recipe.train.reporters)  # a missing integration fails now, not after loading
-    if recipe.sharding.scan_layers:
-        require_scan_extra()  # before --overwrite clears the output_dir
+    require_scan_extra(recipe.sharding.scan_layers)  # before anything is written
     out = prepare_output(recipe, overwrite)
     hosts.check_shared(out)
     if recipe.hub.push:
@@ -157,6 +156,7 @@ def _run_sft(recipe: Recipe, runtime: Any, overwrite: bool, force_resume: bool, 
         )
         return SftRun({}, where, job.trainer, job.names, stopped=job.guard.stop_reason)
     after = _evaluate(job, prompts, "after training")
+
     from lowmem_tpu.memory.record import memory_record
     from lowmem_tpu.train.report import print_summary, run_metrics
 

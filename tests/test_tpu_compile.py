@@ -184,12 +184,12 @@ def test_scan_layers_without_its_extra_is_one_line_before_anything_runs(monkeypa
     def absent(name):
         raise importlib.metadata.PackageNotFoundError(name)
 
-    from lowmem_tpu.xla import scan
+    from lowmem_tpu.xla import extras
 
     with monkeypatch.context() as patch:
-        patch.setattr(scan.importlib.metadata, "version", absent)
+        patch.setattr(extras.importlib.metadata, "version", absent)
         with pytest.raises(UserError, match=r"not installed as a package.*make install-scan"):
-            scan.require_scan_extra(load=False)
+            extras.require_scan_extra(load=False)
     try:
         importlib.metadata.version("torchax")
         pytest.skip("the [scan] extra is installed here: scan_layers traces")

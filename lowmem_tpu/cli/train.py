@@ -26,10 +26,9 @@ def validate(recipe: RecipeArg = None, overrides: OverridesArg = None) -> None:
         if problem:
             raise UserError(problem)
         configure_environment(loaded.runtime)
-        if loaded.sharding.scan_layers:  # valid, but not runnable here without its extra
-            from lowmem_tpu.xla.scan import require_scan_extra
+        from lowmem_tpu.xla.extras import require_scan_extra
 
-            require_scan_extra(load=False)
+        require_scan_extra(loaded.sharding.scan_layers, load=False)  # valid, but not runnable here without it
         summary = check_model(loaded)
     except UserError as err:
         fail(err)
@@ -186,6 +185,7 @@ def _compile(recipe: str | None, overrides: list[str] | None, device: str | None
         from lowmem_tpu.memory.advise import plan_recipe
         from lowmem_tpu.memory.tpu_compile import compile_beside_plan, compile_target, require_compiler
         from lowmem_tpu.memory.tpu_layers import compile_or_extrapolate
+        from lowmem_tpu.xla.extras import require_scan_extra
 
         loaded = load_args(recipe, [*(overrides or []), "runtime.device=tpu"])
         name = device or loaded.runtime.target
@@ -193,10 +193,7 @@ def _compile(recipe: str | None, overrides: list[str] | None, device: str | None
             raise UserError("--compile compiles for a TPU: name one with --device (e.g. v5e-8, v5e-1)")
         target = compile_target(name)
         require_compiler()
-        if loaded.sharding.scan_layers:
-            from lowmem_tpu.xla.scan import require_scan_extra
-
-            require_scan_extra(load=False)
+        require_scan_extra(loaded.sharding.scan_layers, load=False)
         plan_recipe(loaded, target.name)  # a batch the chips do not split is refused before any compile
         where = f"{target.devices} CPU device(s)"
         typer.echo(f"tracing the step on {where}, then compiling it for {target.name}...", err=True)

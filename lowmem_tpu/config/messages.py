@@ -11,27 +11,29 @@ from lowmem_tpu.config.checks import cross_problems
 from lowmem_tpu.config.schema import DEFER_CROSS_CHECKS, Recipe, RecipeError
 
 
-def _description(keys: tuple[str, ...]) -> str:
-    """The schema's description of the field at ``keys``."""
-    model: Any = Recipe
-    try:
-        for key in keys[:-1]:
-            model = model.model_fields[key].annotation
-        text = str(model.model_fields[keys[-1]].description or "a mapping of names to values").rstrip(".")
-    except (AttributeError, KeyError):
-        text = "a mapping of names to values"
-    return text[:1].lower() + text[1:]
-
-
-def _section_fields(keys: tuple[str, ...]) -> list[str]:
-    """Field names of the section at ``keys`` (``()`` is the top level); [] when not a section."""
+def _section(keys: tuple[str, ...]) -> type[BaseModel] | None:
+    """The schema's section at ``keys`` (``()`` is the top level); None when not a section."""
     model: type[BaseModel] = Recipe
     for key in keys:
         annotation = getattr(model.model_fields.get(key), "annotation", None)
         if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
-            return []
+            return None
         model = annotation
-    return list(model.model_fields)
+    return model
+
+
+def _section_fields(keys: tuple[str, ...]) -> list[str]:
+    """Field names of the section at ``keys``; [] when not a section."""
+    section = _section(keys)
+    return list(section.model_fields) if section else []
+
+
+def _description(keys: tuple[str, ...]) -> str:
+    """The schema's description of the field at ``keys``."""
+    section = _section(keys[:-1])
+    field = section.model_fields.get(keys[-1]) if section else None
+    text = str(getattr(field, "description", None) or "a mapping of names to values").rstrip(".")
+    return text[:1].lower() + text[1:]
 
 
 def _sections() -> list[str]:

@@ -112,12 +112,10 @@ class TracedStep:
 def trace_step(recipe: Recipe, device: Device, work: Path, timeout: float = 3600) -> TracedStep:
     """Trace the recipe's steady step on ``device.devices`` CPU devices, weights as placeholders, into ``work``."""
     from lowmem_tpu.memory.measure import spawn_step, with_user_flags
+    from lowmem_tpu.xla.extras import require_scan_extra
 
     n = device.devices
-    if recipe.sharding.scan_layers:  # checked before a child fails on it
-        from lowmem_tpu.xla.scan import require_scan_extra
-
-        require_scan_extra(load=False)
+    require_scan_extra(recipe.sharding.scan_layers, load=False)  # before a child fails on it
     dump = work / "trace"
     dump.mkdir(parents=True, exist_ok=True)
     # Checked as the TPU run it stands for (flash is a TPU field); the child traces it on the CPU.

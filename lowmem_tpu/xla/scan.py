@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.metadata
 import operator
 
 import torch
 from torch import nn
 
 from lowmem_tpu.errors import UserError
+from lowmem_tpu.xla.extras import require_scan_extra
 
 
 class _Carry(nn.Module):
@@ -111,26 +111,6 @@ def recompute_all_partition(joint_module: torch.fx.GraphModule, joint_inputs, **
     bans = ("used_far_apart", "long_fusible_chains", "materialized_backward", "not_in_allowlist", "reductions")
     with config.patch({f"ban_recompute_{ban}": False for ban in bans} | {"recompute_views": True}):
         return min_cut_rematerialization_partition(joint_module, joint_inputs, **kwargs)
-
-
-def require_scan_extra(load: bool = True) -> None:
-    """Refuse ``sharding.scan_layers`` without the [scan] extra, before anything is built or traced.
-
-    torch_xla 2.9's scan keeps carries sharded alike through jax (``xb.call_jax`` needs jax and torchax).
-    Its wheel ships a ``torchax`` of its own, without package metadata, that imports flax: found, but it
-    does not import. ``make install-scan`` installs torchax itself, with metadata. ``load=False`` checks
-    the metadata only (the parent of a trace, which keeps torchax out of its process).
-    """
-    try:
-        importlib.metadata.version("torchax")
-        if load:
-            import torchax  # noqa: F401  (imports jax)
-    except (importlib.metadata.PackageNotFoundError, ImportError) as err:
-        unlisted = isinstance(err, importlib.metadata.PackageNotFoundError)
-        found = "torchax is not installed as a package; torch_xla's bundled copy needs flax" if unlisted else err
-        raise UserError(
-            f"sharding.scan_layers: needs jax and torchax ({found}); install them with: make install-scan"
-        ) from None
 
 
 def scan_decoder(model: nn.Module, layer: type[nn.Module], checkpoint: bool) -> None:
