@@ -29,13 +29,13 @@ class Step:
     plan: Plan
 
 
-def _more_sharding(st: Setting, layout: str) -> tuple[Setting, str, str] | None:
+def _more_sharding(st: Setting, s: Shape, layout: str) -> tuple[Setting, str, str] | None:
     if st.strategy == "fsdp" or st.devices == 1:
         return None
     return replace(st, strategy="fsdp"), "shard every weight over all devices (FSDP)", "sharding.strategy=fsdp"
 
 
-def _checkpointing(st: Setting, layout: str) -> tuple[Setting, str, str] | None:
+def _checkpointing(st: Setting, s: Shape, layout: str) -> tuple[Setting, str, str] | None:
     """Off -> one layer in two -> every layer: each step recomputes more and keeps less."""
     if st.checkpointing and st.checkpoint_every == 1:
         return None
@@ -46,14 +46,14 @@ def _checkpointing(st: Setting, layout: str) -> tuple[Setting, str, str] | None:
     return replace(st, checkpoint_every=1), text, "sharding.activation_checkpointing=true"
 
 
-def _chunked_loss(st: Setting, layout: str) -> tuple[Setting, str, str] | None:
-    if st.chunked_loss or st.fused_head:
+def _chunked_loss(st: Setting, s: Shape, layout: str) -> tuple[Setting, str, str] | None:
+    if st.chunked_loss or st.fused_head or s.logit_softcap:
         return None
     text = "chunked loss (256 positions at a time: no whole [tokens, vocab] logits)"
     return replace(st, chunked_loss=True), text, "train.chunked_loss=true"
 
 
-def _accumulation(st: Setting, layout: str) -> tuple[Setting, str, str] | None:
+def _accumulation(st: Setting, s: Shape, layout: str) -> tuple[Setting, str, str] | None:
     steps = st.accumulation * 2
     if st.sequences < 2 or st.global_batch % (steps * st.devices):
         return None
@@ -61,39 +61,39 @@ def _accumulation(st: Setting, layout: str) -> tuple[Setting, str, str] | None:
     return replace(st, accumulation=steps), text, f"train.gradient_accumulation_steps={steps}"
 
 
-def _attention(st: Setting, layout: str) -> tuple[Setting, str, str] | None:
+def _attention(st: Setting, s: Shape, layout: str) -> tuple[Setting, str, str] | None:
     """No [length, length] scores: flash on a TPU, chunked elsewhere. The TPU compiler keeps far more
     of chunked attention than it plans (Open Llama 3B's width, 4 layers, 4 x 2048 tokens per chip on
     v5e-8: chunked 9.92 GiB, eager 12.39, flash 2.62; scripts/tpu_only_paths.py). Flash only at the
     lengths its backward tiles."""
     if st.attention in ("chunked", "flash"):
         return None
-    if layout == "tpu" and flash_tiles(st.length):
+    if layout == "tpu" and flash_tiles(st.length) and not s.flash_refusal:
         text = "flash attention (torch_xla's Pallas kernel: no [length, length] scores)"
         return replace(st, attention="flash"), text, "model.attn_implementation=flash"
     text = "chunked attention (keys in blocks of 128: no [length, length] scores)"
     return replace(st, attention="chunked"), text, "model.attn_implementation=chunked"
 
 
-def _fused_head(st: Setting, layout: str) -> tuple[Setting, str, str] | None:
+def _fused_head(st: Setting, s: Shape, layout: str) -> tuple[Setting, str, str] | None:
     if st.fused_head or st.chunked_loss:
         return None
     return replace(st, fused_head=True), "TRL's chunked LM head (no full logits)", "train.fused_lm_head=true"
 
 
-def _adafactor(st: Setting, layout: str) -> tuple[Setting, str, str] | None:
+def _adafactor(st: Setting, s: Shape, layout: str) -> tuple[Setting, str, str] | None:
     if st.lora or st.optimizer == "adafactor":
         return None
     return replace(st, optimizer="adafactor"), "Adafactor (factored optimizer state)", "train.optimizer=adafactor"
 
 
-def _lora(st: Setting, layout: str) -> tuple[Setting, str, str] | None:
+def _lora(st: Setting, s: Shape, layout: str) -> tuple[Setting, str, str] | None:
     if st.lora:
         return None
     return replace(st, lora=True), "LoRA (freeze the base model)", "lora.enabled=true"
 
 
-def _quantize(st: Setting, layout: str) -> tuple[Setting, str, str] | None:
+def _quantize(st: Setting, s: Shape, layout: str) -> tuple[Setting, str, str] | None:
     """A quantized frozen base (QLoRA): int8 first, then int4. Only under LoRA (the recipe refuses
     a quantized base for full fine-tuning)."""
     if not st.lora or st.quantize == "int4":
@@ -103,7 +103,7 @@ def _quantize(st: Setting, layout: str) -> tuple[Setting, str, str] | None:
     return replace(st, quantize=bits), f"an {bits} base ({what})", f"model.quantize={bits}"
 
 
-def _shorter(st: Setting, layout: str) -> tuple[Setting, str, str] | None:
+def _shorter(st: Setting, s: Shape, layout: str) -> tuple[Setting, str, str] | None:
     if st.length <= 256:
         return None
     length = st.length // 2
@@ -155,7 +155,7 @@ def _loss_kind(st: Setting) -> str:
 def _next(s: Shape, plan: Plan, repeat_saving: float) -> Step | None:
     """The first technique that lowers the peak (by ``repeat_saving`` when it doubles accumulation again)."""
     for technique in TECHNIQUES:
-        change = technique(plan.setting, plan.layout)
+        change = technique(plan.setting, s, plan.layout)
         if change is None:
             continue
         candidate = plan_setting(s, change[0], plan.layout, plan.capacity)
@@ -199,6 +199,8 @@ def plan_recipe(recipe: Recipe, device: str, config: Any = None) -> MemoryReport
     """Plan ``recipe`` on ``device`` (a name from :data:`DEVICES` or ``cpu``)."""
     target = find_device(device, recipe.runtime.num_cpu_devices)
     shape = shape_of(config if config is not None else require_config(recipe))
+    if recipe.model.attn_implementation == "flash" and shape.flash_refusal:
+        raise UserError(shape.flash_refusal)
     layout = "cpu" if target.name == "cpu" else "tpu"
     st = setting_of(recipe, target.devices)
     plan = plan_setting(shape, st, layout, target.hbm_bytes)

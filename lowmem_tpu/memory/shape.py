@@ -9,6 +9,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from lowmem_tpu.config import Recipe
+from lowmem_tpu.config.features import flash_refusal, logit_softcap, text_config
 from lowmem_tpu.config.rules import batch_split_problem
 from lowmem_tpu.config.schema import LORA_TARGETS, QUANT_BITS, uses_master_weights
 from lowmem_tpu.errors import UserError
@@ -28,10 +29,13 @@ class Shape:
     tied: bool
     attention_bias: bool = False
     mlp_bias: bool = False
+    flash_refusal: str | None = None  # why flash cannot compute this attention (windows, soft-capped scores)
+    logit_softcap: bool = False  # soft-capped final logits, which the chunked loss does not apply
 
 
 def shape_of(config: Any) -> Shape:
     """The planner's view of a transformers config (Llama, Mistral, Qwen2 and others of that layout)."""
+    outer, config = config, text_config(config)
     missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers") if not hasattr(config, k)]
     if missing:
         kind = getattr(config, "model_type", type(config).__name__)
@@ -50,6 +54,8 @@ def shape_of(config: Any) -> Shape:
         tied=bool(getattr(config, "tie_word_embeddings", False)),
         attention_bias=bool(getattr(config, "attention_bias", False)),
         mlp_bias=bool(getattr(config, "mlp_bias", False)),
+        flash_refusal=flash_refusal(outer),
+        logit_softcap=bool(logit_softcap(outer)),
     )
 
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from lowmem_tpu.config import Recipe
+from lowmem_tpu.config.features import flash_refusal, logit_softcap
+from lowmem_tpu.config.schema import LORA_TARGETS
 from lowmem_tpu.errors import UserError
 from lowmem_tpu.model.loading import load_config, meta_model
 
@@ -17,20 +20,36 @@ def check_model(recipe: Recipe) -> str:
     positions = getattr(config, "max_position_embeddings", None)
     if positions and recipe.data.max_length > positions:
         raise UserError(f"data.max_length: {recipe.data.max_length} exceeds the model's {positions} positions")
+    refusal = flash_refusal(config) if recipe.model.attn_implementation == "flash" else None
+    if refusal:
+        raise UserError(refusal)
+    if recipe.train.chunked_loss and logit_softcap(config):
+        raise UserError(
+            f"train.chunked_loss: {config.model_type} soft-caps its logits (final_logit_softcapping), which the "
+            "chunked loss does not do; set train.chunked_loss: false"
+        )
     if recipe.model.quantize != "none":
         from lowmem_tpu.model.quantize import check_quantizable
 
         check_quantizable(config, recipe.model.quantize_lm_head)
     model = meta_model(config)
     layer = layer_class(model, recipe.sharding.layer_class)
+    if recipe.lora.enabled:
+        lora_targets(model, recipe.lora.target_modules)
     params = sum(p.numel() for p in model.parameters())
     count = sum(isinstance(m, layer) for m in model.modules())
     return f"{type(model).__name__}, {params / 1e9:.2f} B parameters, {count} x {layer.__name__}"
 
 
 def layer_class(model: Any, name: str | None) -> type:
-    """The decoder layer class to wrap: ``name``, or the model's own ``_no_split_modules``."""
-    names = [name] if name else list(getattr(_base(model), "_no_split_modules", None) or [])
+    """The decoder layer class to wrap: ``name``, or the text decoder's own layer.
+
+    ``_no_split_modules`` is a set in transformers 5 that also names a multimodal model's vision layers,
+    so it is consulted, in sorted order, only for a model whose decoder has no ``layers`` list.
+    """
+    decoder = decoder_layers(model)
+    fallback = sorted(getattr(_base(model), "_no_split_modules", None) or [])
+    names = [name] if name else ([type(decoder[0]).__name__] if decoder else fallback)
     classes = {type(m).__name__: type(m) for m in model.modules()}
     for candidate in names:
         if candidate in classes:
@@ -39,6 +58,65 @@ def layer_class(model: Any, name: str | None) -> type:
         f"sharding.layer_class: {names[0] if names else 'no decoder layer class'} is not a module of this model; "
         f"its classes include {', '.join(sorted(c for c in classes if 'Layer' in c or 'Block' in c)) or 'none'}"
     )
+
+
+def decoder_layers(model: Any) -> Any:
+    """The text decoder's list of layers (``model.layers`` of Llama-style models), or None."""
+    base = _base(model)
+    decoder = base.get_decoder() if hasattr(base, "get_decoder") else None
+    layers = getattr(decoder, "layers", None)
+    return layers if layers is not None and len(layers) else None
+
+
+def decoder_projections(model: Any) -> tuple[str, list[str]]:
+    """(the decoder layers' path, the names of the linear projections inside them, in module order)."""
+    from torch import nn
+
+    layers = decoder_layers(model)
+    if layers is None:
+        raise UserError("lora.target_modules: this model has no decoder layers list to find its projections in")
+    path = next(name for name, module in model.named_modules() if module is layers)
+    names: list[str] = []
+    for name, module in layers[0].named_modules():
+        leaf = name.rpartition(".")[2]
+        if isinstance(module, nn.Linear) and leaf not in names:
+            names.append(leaf)
+    return path, names
+
+
+def lora_targets(model: Any, requested: list[str] | str) -> list[str] | str:
+    """PEFT's ``target_modules`` for this model.
+
+    The default list (Llama's seven projections) follows the model's own projections: Phi's fused
+    ``qkv_proj`` and ``gate_up_proj`` included. A listed name that matches no module is an error naming
+    the decoder's projections. Where a name (or ``all-linear``) also matches modules outside the text
+    decoder (a multimodal model's vision tower), the targets become a pattern held to the decoder's layers.
+    """
+    from torch import nn
+
+    path, projections = decoder_projections(model)
+    inside = f"{path}."
+    if requested == "all-linear":
+        outside = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and not n.startswith(inside)]
+        if all(name.rpartition(".")[2] == "lm_head" for name in outside):
+            return requested
+        requested = projections
+    names = list(requested)
+    if tuple(names) == LORA_TARGETS and not set(names) <= set(projections):
+        names = projections
+    leaves = {name.rpartition(".")[2] for name, _ in model.named_modules()}
+    unknown = [name for name in names if name not in leaves]
+    if unknown:
+        raise UserError(
+            f"lora.target_modules: {', '.join(unknown)} matches no module of this model; its decoder layers' "
+            f"projections are {', '.join(projections)} (or use all-linear)"
+        )
+    elsewhere = any(
+        name.rpartition(".")[2] in names and not name.startswith(inside) for name, _ in model.named_modules()
+    )
+    if not elsewhere:
+        return names
+    return rf"{re.escape(path)}\.\d+\.(.*\.)?({'|'.join(map(re.escape, names))})"
 
 
 def _base(model: Any) -> Any:

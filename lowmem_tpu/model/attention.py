@@ -11,6 +11,12 @@ Causal masking and padding come from positions and the 2-D padding mask (transfo
 implementation the [batch, length] mask as it does flash attention), or, for packed rows, the
 ``segment_ids`` the trainer passes along: a key is visible only within its query's sample. No mask
 of [length, length] is built either. Any head size works (Open Llama's is 100).
+
+What a model defines beyond that comes as the attention call's keyword arguments, as transformers'
+layers pass them to every implementation: ``sliding_window`` (Gemma 2/3's local layers, Mistral,
+Phi-3: a query sees its last ``window`` keys, itself included, as transformers' sliding-window mask
+has it) and ``softcap`` (Gemma 2: scores become ``tanh(s / cap) * cap`` before the softmax, as in
+its eager attention). Both are applied block by block, forward and backward.
 """
 
 from __future__ import annotations
@@ -25,35 +31,44 @@ BLOCK = 128
 NAME = "chunked"
 
 
-def _allowed(q_len: int, start: int, stop: int, k_len: int, padding: torch.Tensor | None, device: Any) -> torch.Tensor:
-    """[batch or 1, 1, q, block] bool: a key is visible when it is not in the future, not padding, and
-    (``padding`` holding segment ids: packed rows) in the query's own sample."""
+def _allowed(
+    q_len: int, start: int, stop: int, k_len: int, padding: torch.Tensor | None, window: int | None, device: Any
+) -> torch.Tensor:
+    """[batch or 1, 1, q, block] bool: a key is visible when it is not in the future, not padding, within
+    the ``window`` last keys (if any), and (``padding`` holding segment ids: packed rows) in the query's own sample."""
     q_pos = torch.arange(q_len, device=device) + (k_len - q_len)
     k_pos = torch.arange(start, stop, device=device)
-    allowed = (k_pos[None, :] <= q_pos[:, None])[None, None]
+    visible = k_pos[None, :] <= q_pos[:, None]
+    if window is not None:
+        visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
+    allowed = visible[None, None]
     if padding is not None:
         keys = padding[:, None, None, start:stop]
         allowed = allowed & (keys != 0) & (padding[:, None, k_len - q_len :, None] == keys)
     return allowed
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor, scale: float) -> torch.Tensor:
+def _scores(q: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor, scale: float, cap: float | None) -> torch.Tensor:
     s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if cap is not None:
+        s = torch.tanh(s / cap) * cap
     return s.masked_fill(~allowed, float("-inf"))
 
 
 class ChunkedAttention(torch.autograd.Function):
-    """softmax(q k^T * scale, causal, padded) v, block by block; saves out and log-sum-exp only."""
+    """softmax(q k^T * scale, causal, padded, windowed, soft-capped) v, block by block; saves out and
+    log-sum-exp only."""
 
     @staticmethod
-    def forward(ctx: Any, q, k, v, padding, scale: float, block: int):  # type: ignore[override]
+    def forward(ctx: Any, q, k, v, padding, scale: float, block: int, window: int | None, cap: float | None):  # type: ignore[override]
         q_len, k_len = q.shape[2], k.shape[2]
         row_max = torch.full((*q.shape[:3], 1), float("-inf"), device=q.device)
         row_sum = torch.zeros((*q.shape[:3], 1), device=q.device)
         acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         for start in range(0, k_len, block):
             stop = min(start + block, k_len)
-            s = _scores(q, k[:, :, start:stop], _allowed(q_len, start, stop, k_len, padding, q.device), scale)
+            allowed = _allowed(q_len, start, stop, k_len, padding, window, q.device)
+            s = _scores(q, k[:, :, start:stop], allowed, scale, cap)
             new_max = torch.maximum(row_max, s.amax(-1, keepdim=True))
             safe = torch.where(torch.isinf(new_max), torch.zeros_like(new_max), new_max)
             p = torch.exp(s - safe)
@@ -65,13 +80,14 @@ class ChunkedAttention(torch.autograd.Function):
         lse = torch.where(row_sum > 0, torch.log(row_sum.clamp(min=1e-30)) + row_max, torch.zeros_like(row_sum))
         ctx.save_for_backward(q, k, v, padding if padding is not None else torch.empty(0), out, lse)
         ctx.scale, ctx.block, ctx.has_padding = scale, block, padding is not None
+        ctx.window, ctx.cap = window, cap
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor):  # type: ignore[override]
         q, k, v, padding, out, lse = ctx.saved_tensors
         padding = padding if ctx.has_padding else None
-        scale, block = ctx.scale, ctx.block
+        scale, block, window, cap = ctx.scale, ctx.block, ctx.window, ctx.cap
         q_len, k_len = q.shape[2], k.shape[2]
         d_out = grad_out.float()
         delta = (d_out * out).sum(-1, keepdim=True)
@@ -86,15 +102,20 @@ class ChunkedAttention(torch.autograd.Function):
             v_blk = v[:, :, start:stop].float()
             # (q * scale) k^T, not (q k^T) * scale as in the forward pass: a different expression, so
             # XLA cannot merge it with the forward's scores and keep those alive until here.
-            allowed = _allowed(q_len, start, stop, k_len, padding, q.device)
-            s = torch.matmul(q.float() * scale, k_blk.transpose(-1, -2)).masked_fill(~allowed, float("-inf"))
-            p = torch.exp(s - lse)
+            allowed = _allowed(q_len, start, stop, k_len, padding, window, q.device)
+            s = torch.matmul(q.float() * scale, k_blk.transpose(-1, -2))
+            if cap is not None:
+                capped = torch.tanh(s / cap)
+                s = capped * cap
+            p = torch.exp(s.masked_fill(~allowed, float("-inf")) - lse)
             dvs.append(torch.matmul(p.transpose(-1, -2), d_out))
             ds = p * (torch.matmul(d_out, v_blk.transpose(-1, -2)) - delta)
+            if cap is not None:
+                ds = ds * (1 - capped * capped)  # d tanh: the cap's own derivative, before the mask
             dq = dq + torch.matmul(ds, k_blk) * scale
             dks.append(torch.matmul(ds.transpose(-1, -2), q.float()) * scale)
         dk, dv = torch.cat(dks, dim=2), torch.cat(dvs, dim=2)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 
 def heads_for_every_query(
@@ -122,7 +143,8 @@ def chunked_attention_forward(
     segments = kwargs.get("segment_ids")
     if segments is None and attention_mask is not None and attention_mask.dim() == 2:
         segments = attention_mask.long()  # one sample per row: 1 on tokens, 0 on padding
-    out = ChunkedAttention.apply(query, key, value, segments, scale, BLOCK)
+    window, cap = kwargs.get("sliding_window"), kwargs.get("softcap")
+    out = ChunkedAttention.apply(query, key, value, segments, scale, BLOCK, window, cap)
     return out.transpose(1, 2).contiguous(), None
 
 

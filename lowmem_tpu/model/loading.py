@@ -185,7 +185,12 @@ def model_directory(source: str, revision: str | None) -> Path:
 
 
 def _from_checkpoint(cfg: ModelSection) -> Any:
-    """Build on ``meta`` and fill from the checkpoint one tensor at a time (quantizing decoder linears if asked)."""
+    """Build on ``meta`` and fill from the checkpoint one tensor at a time (quantizing decoder linears if asked).
+
+    Checkpoint names are mapped to the model's as ``from_pretrained`` maps them (transformers' own
+    renamings: Gemma 3's multimodal ``language_model.model.*``, a missing base-model prefix), and
+    what the checkpoint does not hold is computed as ``from_pretrained`` computes it.
+    """
     import torch
 
     source = resolve_source(cfg.name_or_path)
@@ -199,14 +204,16 @@ def _from_checkpoint(cfg: ModelSection) -> Any:
     model = meta_model(load_config(cfg.model_copy(update={"name_or_path": str(directory), "revision": None})), cfg)
     dtype = torch_dtype(cfg.dtype)
     expected = {name for name, _ in model.named_parameters()} | set(dict(model.named_buffers()))
+    rename = _checkpoint_names(model, directory)
     with torch.no_grad():
-        for name, tensor in read_tensors(files):
+        for stored, tensor in read_tensors(files):
+            name = rename(stored)
             layer = name.removesuffix(".weight")
             if name in expected:
                 _assign(model, name, tensor, dtype)
             elif layer != name and f"{layer}.qweight" in expected:
                 model.get_submodule(layer).load_weight(tensor)
-        if getattr(model.config, "tie_word_embeddings", False):
+        if getattr(model.config.get_text_config(), "tie_word_embeddings", False):
             model.tie_weights()
         _initialize_rest(model)
     missing = sorted(n for n, p in model.named_parameters() if p.is_meta)
@@ -217,6 +224,33 @@ def _from_checkpoint(cfg: ModelSection) -> Any:
         )
     _generation_config(model, directory)
     return model
+
+
+def _checkpoint_names(model: Any, directory: Path) -> Any:
+    """``stored name -> model name``, as transformers' loader renames checkpoint keys for this model.
+
+    A key that transformers would convert (merge, split or permute tensors) rather than rename cannot
+    be read one tensor at a time: refused, naming the checkpoint.
+    """
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, rename_source_key
+
+    transforms = get_model_conversion_mapping(model)
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
+    meta_state = model.state_dict()
+
+    def rename(stored: str) -> str:
+        name, converted = rename_source_key(stored, renamings, converters, model.base_model_prefix, meta_state)
+        if converted is not None:
+            raise UserError(
+                f"model.name_or_path: {directory} stores {stored!r} in a layout transformers converts while "
+                f"loading ({type(model).__name__}); streaming it is not supported: save the model with "
+                "transformers' save_pretrained first, or use another checkpoint of it"
+            )
+        return name
+
+    return rename
 
 
 def _generation_config(model: Any, directory: Path) -> None:
@@ -238,12 +272,19 @@ def _assign(model: nn.Module, name: str, tensor: torch.Tensor, dtype: torch.dtyp
         module._buffers[leaf] = value
 
 
-def _initialize_rest(model: nn.Module) -> None:
-    """Non-persistent buffers (rotary frequencies) are not in checkpoints: compute them as transformers does."""
+def _initialize_rest(model: Any) -> None:
+    """What no checkpoint holds (rotary frequencies, Gemma's embedding scale), computed as ``from_pretrained`` does.
+
+    Loaded tensors are flagged ``_is_hf_initialized``, which transformers' own init functions respect,
+    and the model's ``initialize_weights`` then fills the non-persistent buffers, touching nothing loaded.
+    """
+    import torch
+
+    for tensor in (*model.parameters(), *model.buffers()):
+        if not tensor.is_meta:
+            tensor._is_hf_initialized = True
     for module in model.modules():
-        if any(b.is_meta for b in module.buffers(recurse=False)):
-            params = {n: p for n, p in module.named_parameters(recurse=False)}
-            module.to_empty(device="cpu", recurse=False)
-            for n, p in params.items():
-                module._parameters[n] = p  # keep loaded (or still missing) parameters as they were
-            model._init_weights(module)
+        for name, buffer in module.named_buffers(recurse=False):
+            if buffer.is_meta:
+                module._buffers[name] = torch.empty_like(buffer, device="cpu")
+    model.initialize_weights()

@@ -6,6 +6,7 @@ from typing import Any
 
 from lowmem_tpu.config import Recipe
 from lowmem_tpu.errors import UserError
+from lowmem_tpu.model.architecture import lora_targets
 
 
 def apply_lora(model: Any, recipe: Recipe) -> Any:
@@ -20,7 +21,7 @@ def apply_lora(model: Any, recipe: Recipe) -> Any:
         r=lora.r,
         lora_alpha=lora.alpha,
         lora_dropout=lora.dropout,
-        target_modules=lora.target_modules,
+        target_modules=lora_targets(model, lora.target_modules),
         bias="none",
         task_type="CAUSAL_LM",
     )

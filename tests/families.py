@@ -1,0 +1,227 @@
+"""Tiny stand-ins of the model families people fine-tune, built from nothing.
+
+Each is its family's config.json as the Hub ships it, shrunk (hidden 64, 2 layers, vocab 512), with the
+structural features that change what a loader or a kernel must do kept: grouped-query attention, tied
+embeddings (Gemma leaves ``tie_word_embeddings`` out: the class default, true, applies), q/k/v biases
+(Qwen 2.5), q/k norms (Qwen 3, Gemma 3), a head size that is not hidden / heads (Gemma, Qwen 3),
+attention and final-logit soft-capping (Gemma 2), sliding windows shorter than the test rows (Gemma 2/3,
+Mistral, Phi-3), llama3 rope scaling, fused ``qkv_proj`` and ``gate_up_proj`` (Phi), the multimodal
+wrapper Gemma 3 4B and up ships as, and EOS lists (Llama 3, Gemma). Weights are random.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+WINDOW = 8  # shorter than the test rows, so a window changes what a query sees
+SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "vocab_size": 512}
+
+FAMILIES: dict[str, dict[str, Any]] = {
+    "llama3": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "attention_bias": False,
+        "bos_token_id": 1,
+        "eos_token_id": [2, 3, 4],
+        "head_dim": 16,
+        "hidden_act": "silu",
+        "max_position_embeddings": 131072,
+        "mlp_bias": False,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-05,
+        "rope_scaling": {
+            "factor": 32.0,
+            "high_freq_factor": 4.0,
+            "low_freq_factor": 1.0,
+            "original_max_position_embeddings": 8192,
+            "rope_type": "llama3",
+        },
+        "rope_theta": 500000.0,
+        "tie_word_embeddings": True,
+    },
+    "qwen2": {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "hidden_act": "silu",
+        "max_position_embeddings": 32768,
+        "max_window_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 1000000.0,
+        "sliding_window": 131072,
+        "tie_word_embeddings": False,
+        "use_sliding_window": False,
+    },
+    "qwen3": {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "attention_bias": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "head_dim": 32,
+        "hidden_act": "silu",
+        "max_position_embeddings": 40960,
+        "max_window_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-06,
+        "rope_scaling": None,
+        "rope_theta": 1000000,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+        "use_sliding_window": False,
+    },
+    "gemma2": {
+        "architectures": ["Gemma2ForCausalLM"],
+        "model_type": "gemma2",
+        "attention_bias": False,
+        "attn_logit_softcapping": 50.0,
+        "bos_token_id": 2,
+        "eos_token_id": [1, 107],
+        "final_logit_softcapping": 30.0,
+        "head_dim": 32,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "max_position_embeddings": 8192,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "pad_token_id": 0,
+        "query_pre_attn_scalar": 32,
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 10000.0,
+        "sliding_window": WINDOW,
+    },
+    "gemma3": {
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "attn_logit_softcapping": None,
+        "bos_token_id": 2,
+        "eos_token_id": [1, 106],
+        "final_logit_softcapping": None,
+        "head_dim": 32,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "max_position_embeddings": 32768,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "pad_token_id": 0,
+        "query_pre_attn_scalar": 32,
+        "rms_norm_eps": 1e-06,
+        "rope_local_base_freq": 10000,
+        "rope_scaling": None,
+        "rope_theta": 1000000,
+        "sliding_window": WINDOW,
+        "sliding_window_pattern": 2,
+    },
+    "mistral": {
+        "architectures": ["MistralForCausalLM"],
+        "model_type": "mistral",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "hidden_act": "silu",
+        "max_position_embeddings": 32768,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 10000.0,
+        "sliding_window": WINDOW,
+        "tie_word_embeddings": False,
+    },
+    "phi3": {
+        "architectures": ["Phi3ForCausalLM"],
+        "model_type": "phi3",
+        "attention_dropout": 0.0,
+        "bos_token_id": 1,
+        "embd_pdrop": 0.0,
+        "eos_token_id": 32,
+        "hidden_act": "silu",
+        "max_position_embeddings": 4096,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "original_max_position_embeddings": 4096,
+        "pad_token_id": 32,
+        "resid_pdrop": 0.0,
+        "rms_norm_eps": 1e-05,
+        "rope_scaling": None,
+        "rope_theta": 10000.0,
+        "sliding_window": WINDOW - 1,
+        "tie_word_embeddings": False,
+    },
+    "phi4": {
+        "architectures": ["Phi3ForCausalLM"],
+        "model_type": "phi3",
+        "bos_token_id": 500,
+        "eos_token_id": 501,
+        "hidden_act": "silu",
+        "max_position_embeddings": 16384,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "original_max_position_embeddings": 16384,
+        "pad_token_id": 600,
+        "rms_norm_eps": 1e-05,
+        "rope_scaling": None,
+        "rope_theta": 250000,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+    },
+}
+# Gemma 3 4B and up: the multimodal checkpoint (its own text_config and a vision tower).
+GEMMA3_MULTIMODAL = {
+    "architectures": ["Gemma3ForConditionalGeneration"],
+    "model_type": "gemma3",
+    "boi_token_index": 255999,
+    "eoi_token_index": 256000,
+    "eos_token_id": [1, 106],
+    "image_token_index": 262144,
+    "initializer_range": 0.02,
+    "mm_tokens_per_image": 4,
+    "text_config": {**FAMILIES["gemma3"], "model_type": "gemma3_text", **SMALL},
+    "vision_config": {
+        "hidden_size": 32,
+        "image_size": 32,
+        "intermediate_size": 64,
+        "model_type": "siglip_vision_model",
+        "num_attention_heads": 2,
+        "num_hidden_layers": 1,
+        "patch_size": 8,
+        "vision_use_head": False,
+    },
+}
+NAMES = tuple(FAMILIES)
+
+
+def family_config(name: str) -> dict[str, Any]:
+    """The family's config.json, shrunk (``gemma3_multimodal``: the Hub's Gemma 3 4B+ layout)."""
+    if name == "gemma3_multimodal":
+        return json.loads(json.dumps(GEMMA3_MULTIMODAL))
+    config = {**FAMILIES[name], **SMALL}
+    if name in ("phi4", "gemma2", "gemma3"):
+        config["vocab_size"] = 640  # embeddings with more rows than the tokenizer has tokens
+    return config
+
+
+def make_family(path: Path, name: str, seed: int = 0) -> Path:
+    """A random-init stand-in saved as the Hub ships the family (config.json, safetensors, generation_config)."""
+    path.mkdir(parents=True, exist_ok=True)
+    raw = family_config(name)
+    (path / "config.json").write_text(json.dumps(raw, indent=2))
+    config = AutoConfig.from_pretrained(path)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # norms away from their init (ones or zeros), so a re-initialised one shows
+        for param in model.parameters():
+            if param.dim() == 1:
+                param.normal_(0.0, 0.1)
+    model.save_pretrained(path)
+    (path / "config.json").write_text(json.dumps(raw, indent=2))  # as the Hub has it, defaults left out
+    eos = raw.get("eos_token_id", raw.get("text_config", {}).get("eos_token_id"))
+    generation = {"bos_token_id": raw.get("bos_token_id", 2), "eos_token_id": eos}
+    (path / "generation_config.json").write_text(json.dumps(generation, indent=2))
+    return path

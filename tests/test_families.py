@@ -1,0 +1,175 @@
+"""The families people fine-tune, each against transformers itself: the base as ``from_pretrained`` loads it,
+chunked attention as eager attention computes it (windows and soft-capping included), LoRA on each family's
+own projections, and the decoder layer that sharding wraps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from families import NAMES, WINDOW, make_family
+from transformers import AutoModelForCausalLM
+
+from lowmem_tpu.config import ModelSection, load_recipe
+from lowmem_tpu.config.schema import LORA_TARGETS
+from lowmem_tpu.errors import UserError
+from lowmem_tpu.model import attention, build_base_model, layer_class
+from lowmem_tpu.model.architecture import check_model, lora_targets
+
+ALL = (*NAMES, "gemma3_multimodal")
+
+
+@pytest.fixture(scope="module")
+def stand_ins(tmp_path_factory):
+    root = tmp_path_factory.mktemp("families")
+    return {name: make_family(root / name, name) for name in ALL}
+
+
+@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_base_equals_from_pretrained(stand_ins, name, dtype):
+    reference = AutoModelForCausalLM.from_pretrained(stand_ins[name], dtype=getattr(torch, dtype))
+    ours = build_base_model(ModelSection(name_or_path=str(stand_ins[name]), dtype=dtype))
+    assert type(ours) is type(reference)
+    expected = {**reference.state_dict(), **dict(reference.named_buffers())}
+    got = {**ours.state_dict(), **dict(ours.named_buffers())}
+    assert expected.keys() == got.keys()
+    different = [key for key in expected if not torch.equal(expected[key], got[key])]
+    assert not different, different
+    assert ours.generation_config.eos_token_id == reference.generation_config.eos_token_id
+
+
+def test_a_checkpoint_missing_a_weight_is_refused(stand_ins, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    source = stand_ins["gemma2"]
+    broken = tmp_path / "gemma2"
+    broken.mkdir()
+    for item in source.iterdir():
+        (broken / item.name).write_bytes(item.read_bytes())
+    tensors = load_file(source / "model.safetensors")
+    del tensors["model.embed_tokens.weight"]  # the LM head is tied to it: one parameter
+    save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(UserError, match=r"lacks weights for 1 parameters.*embed_tokens"):
+        build_base_model(ModelSection(name_or_path=str(broken), dtype="float32"))
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_the_wrapped_layer_is_the_text_decoders(stand_ins, name):
+    model = build_base_model(ModelSection(name_or_path=str(stand_ins[name]), dtype="float32"), weights="meta")
+    assert layer_class(model, None) is type(model.get_decoder().layers[0])
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("llama3", "q_proj k_proj v_proj o_proj gate_proj up_proj down_proj"),
+        ("phi3", "qkv_proj o_proj gate_up_proj down_proj"),
+        ("phi4", "qkv_proj o_proj gate_up_proj down_proj"),
+    ],
+)
+def test_default_lora_targets_follow_the_projections(stand_ins, name, expected):
+    from lowmem_tpu.model import apply_lora
+
+    default = f"lora.target_modules=[{','.join(LORA_TARGETS)}]"  # the schema's default, what open_llama_lora lists
+    recipe = load_recipe(None, [f"model.name_or_path={stand_ins[name]}", default])
+    model = apply_lora(build_base_model(recipe.model, weights="random"), recipe)
+    adapted = {n.split(".")[-4] for n, _ in model.named_parameters() if "lora_A" in n}
+    assert adapted == set(expected.split())
+
+
+def test_lora_on_the_multimodal_gemma_adapts_the_text_decoder_only(stand_ins):
+    from lowmem_tpu.model import apply_lora
+
+    for targets in ("all-linear", "[q_proj,v_proj]"):
+        recipe = load_recipe(
+            None, [f"model.name_or_path={stand_ins['gemma3_multimodal']}", f"lora.target_modules={targets}"]
+        )
+        model = apply_lora(build_base_model(recipe.model, weights="random"), recipe)
+        adapted = [n for n, _ in model.named_parameters() if "lora_A" in n]
+        assert adapted and all(".language_model.layers." in n for n in adapted), targets
+
+
+def test_a_target_that_matches_nothing_is_refused_by_validate(stand_ins):
+    recipe = load_recipe(None, [f"model.name_or_path={stand_ins['phi3']}", "lora.target_modules=[q_proj,o_proj]"])
+    with pytest.raises(
+        UserError, match=r"q_proj matches no module.*projections are o_proj, qkv_proj, gate_up_proj, down_proj"
+    ):
+        check_model(recipe)
+    assert lora_targets(build_base_model(recipe.model, weights="meta"), ["o_proj"]) == ["o_proj"]
+
+
+def _touch_xla() -> None:
+    """XLA started as every run starts it before any CPU backward (after one, XLA backwards in this process fail)."""
+    from lowmem_tpu.config import RuntimeSection
+    from lowmem_tpu.xla.runtime import setup_runtime
+
+    setup_runtime(RuntimeSection(device="cpu", num_cpu_devices=4))
+
+
+def _logits_and_grads(directory, implementation: str, ids, mask):
+    attention.register(implementation)
+    model = AutoModelForCausalLM.from_pretrained(
+        directory, dtype=torch.float32, attn_implementation=attention.transformers_name(implementation)
+    )
+    labels = ids.masked_fill(mask == 0, -100)
+    out = model(input_ids=ids, attention_mask=mask, labels=labels)
+    out.loss.backward()
+    return out.logits.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "mistral", "phi3", "qwen3"])
+def test_chunked_attention_equals_eager_past_the_window(stand_ins, name, monkeypatch):
+    _touch_xla()
+    monkeypatch.setattr(attention, "BLOCK", 8)
+    torch.manual_seed(1)
+    ids = torch.randint(3, 500, (2, 4 * WINDOW + 5))  # rows four windows long: blocks of 8 and a ragged one
+    mask = torch.ones_like(ids)
+    mask[1, 3 * WINDOW :] = 0  # right padding, as the data rows have it
+    eager, eager_grads = _logits_and_grads(stand_ins[name], "eager", ids, mask)
+    chunked, chunked_grads = _logits_and_grads(stand_ins[name], "chunked", ids, mask)
+    real = mask.bool()
+    assert (eager - chunked)[real].abs().max() <= 2e-5 * eager[real].abs().max()
+    for key, grad in eager_grads.items():  # fp32 summation order, relative to each gradient's scale
+        assert (grad - chunked_grads[key]).abs().max() <= 2e-5 * grad.abs().max() + 1e-8, key
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "mistral", "phi3"])
+def test_flash_is_refused_where_the_model_windows_or_caps_attention(stand_ins, name):
+    from lowmem_tpu.memory.advise import plan_recipe
+
+    overrides = [f"model.name_or_path={stand_ins[name]}", "model.attn_implementation=flash", "runtime.target=v5e-8"]
+    recipe = load_recipe(None, [*overrides, "runtime.device=tpu", "data.max_length=512"])
+    with pytest.raises(UserError, match=r"flash \(torch_xla's Pallas kernel\) has no sliding windows.*use chunked"):
+        check_model(recipe)
+    with pytest.raises(UserError, match=r"has no sliding windows"):
+        plan_recipe(recipe, "v5e-8")
+
+
+REAL_SIZE = {  # hidden, intermediate, layers, vocab: Gemma 2 9B, Mistral 7B, Qwen 2.5 7B, Llama 3.1 8B
+    "gemma2": (3584, 14336, 42, 256000),
+    "mistral": (4096, 14336, 32, 32000),
+    "qwen2": (3584, 18944, 28, 152064),
+    "llama3": (4096, 14336, 32, 128256),
+}
+
+
+@pytest.mark.parametrize(("name", "flash"), [("gemma2", False), ("mistral", False), ("qwen2", True), ("llama3", True)])
+def test_the_advisor_offers_flash_only_where_it_computes_the_model(tmp_path, name, flash):
+    import json
+
+    from families import family_config
+
+    from lowmem_tpu.memory.advise import plan_recipe
+
+    hidden, intermediate, layers, vocab = REAL_SIZE[name]
+    config = family_config(name) | {"hidden_size": hidden, "intermediate_size": intermediate}
+    config |= {"num_hidden_layers": layers, "vocab_size": vocab, "num_attention_heads": 32, "head_dim": 128}
+    config |= {"sliding_window": 4096} if config.get("sliding_window") == WINDOW else {}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    rows = ["data.max_length=8192", "train.global_batch_size=1", "runtime.num_cpu_devices=1", "runtime.target=v5e-1"]
+    rows += ["sharding.activation_checkpointing=false"]
+    recipe = load_recipe(None, [f"model.name_or_path={tmp_path}", "model.random_init=true", *rows])
+    overrides = [step.override for step in plan_recipe(recipe, "v5e-1").steps]
+    assert ("model.attn_implementation=flash" in overrides) is flash, overrides
+    if name == "gemma2":  # soft-capped logits: the chunked loss does not compute them
+        assert "train.chunked_loss=true" not in overrides, overrides
