@@ -173,3 +173,27 @@ def test_the_advisor_offers_flash_only_where_it_computes_the_model(tmp_path, nam
     assert ("model.attn_implementation=flash" in overrides) is flash, overrides
     if name == "gemma2":  # soft-capped logits: the chunked loss does not compute them
         assert "train.chunked_loss=true" not in overrides, overrides
+
+
+def test_every_end_of_text_id_the_model_lists_is_kept(stand_ins):
+    from transformers import AutoTokenizer
+
+    from lowmem_tpu.config.assets import ASSETS
+    from lowmem_tpu.model import align_special_tokens
+
+    tokenizer = AutoTokenizer.from_pretrained(ASSETS / "tiny-llama")
+    model = build_base_model(ModelSection(name_or_path=str(stand_ins["llama3"]), dtype="float32"))
+    align_special_tokens(model, tokenizer)
+    assert tokenizer.eos_token_id == 2 and model.generation_config.eos_token_id == [2, 3, 4]
+    assert model.config.eos_token_id == [2, 3, 4]
+
+
+def test_the_planner_reads_gemmas_tied_head_and_phis_fused_projections(stand_ins):
+    from lowmem_tpu.memory.shape import require_config, setting_of, shape_of
+
+    for name, tied in (("gemma2", True), ("gemma3_multimodal", True), ("mistral", False)):
+        recipe = load_recipe(None, [f"model.name_or_path={stand_ins[name]}"])
+        assert shape_of(require_config(recipe)).tied is tied, name  # Gemma's config.json leaves it out
+    fused = "lora.target_modules=[qkv_proj,o_proj,gate_up_proj,down_proj]"
+    recipe = load_recipe(None, [f"model.name_or_path={stand_ins['phi3']}", fused])
+    assert set(setting_of(recipe, 4).targets) == set(LORA_TARGETS)

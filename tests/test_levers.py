@@ -13,7 +13,7 @@ from lowmem_tpu.model import attention
 
 def _touch_xla() -> None:
     """Start the XLA runtime as every run does (SPMD, 4 CPU devices) before any CPU backward: after one,
-    XLA backwards fail in this process (XLA_NOTES); and XLA used without SPMD first makes a later
+    XLA backwards fail in this process; and XLA used without SPMD first makes a later
     SPMD run in the same process crash (measured: a segfault in the next file's training)."""
     from lowmem_tpu.config import RuntimeSection
     from lowmem_tpu.xla.runtime import setup_runtime
@@ -89,7 +89,7 @@ def test_a_query_that_sees_nothing_gives_zeros_not_nan():
     q = torch.randn(1, 2, 4, 8, requires_grad=True)
     k, v = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8)
     padding = torch.tensor([[0, 0, 1, 1]])  # left padding: the first two queries see no key
-    out = attention.ChunkedAttention.apply(q, k, v, padding, 8**-0.5, 2)
+    out = attention.ChunkedAttention.apply(q, k, v, padding, 8**-0.5, 2, None, None)  # no window, no soft-cap
     assert torch.isfinite(out).all() and (out[0, :, :2] == 0).all()
     out.sum().backward()
     assert torch.isfinite(q.grad).all()

@@ -9,7 +9,7 @@ from pathlib import Path
 from lowmem_tpu.errors import UserError
 
 # Without the CPU flag the CPU backend keeps every layer's gathered weights live at once
-# (see XLA_NOTES.md), so FSDP and checkpointing would seem to save little. libtpu does not
+# (docs/memory.md), so FSDP and checkpointing would seem to save little. libtpu does not
 # know --xla_cpu_* flags, so a TPU gets only the dump flags.
 DUMP_FLAGS = "--xla_dump_to={dir} --xla_dump_hlo_pass_re=NONE"
 CPU_SCHEDULER_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=false"

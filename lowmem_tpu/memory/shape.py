@@ -51,7 +51,7 @@ def shape_of(config: Any) -> Shape:
         kv_heads=getattr(config, "num_key_value_heads", None) or heads,
         head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
         vocab=config.vocab_size,
-        tied=bool(getattr(config, "tie_word_embeddings", False)),
+        tied=bool(getattr(config, "tie_word_embeddings", getattr(outer, "tie_word_embeddings", False))),
         attention_bias=bool(getattr(config, "attention_bias", False)),
         mlp_bias=bool(getattr(config, "mlp_bias", False)),
         flash_refusal=flash_refusal(outer),
@@ -126,7 +126,7 @@ class Setting:
 def setting_of(recipe: Recipe, devices: int) -> Setting:
     """The memory-relevant part of a recipe, on ``devices`` XLA devices."""
     t, lora = recipe.train, recipe.lora
-    targets = LORA_TARGETS if lora.target_modules == "all-linear" else tuple(lora.target_modules)
+    targets = LORA_TARGETS if lora.target_modules == "all-linear" else _unfused(lora.target_modules)
     setting = Setting(
         lora=lora.enabled,
         rank=lora.r,
@@ -158,6 +158,15 @@ def setting_of(recipe: Recipe, devices: int) -> Setting:
     return setting
 
 
+# Phi's fused projections, planned as the projections they fuse (the same weights; one LoRA A instead of
+# two or three, a few rank-sized rows the plan counts more).
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def _unfused(names: list[str]) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(part for name in names for part in FUSED.get(name, (name,))))
+
+
 # ----------------------------------------------------------------------------- the architecture, offline
 
 
@@ -170,7 +179,7 @@ def require_config(recipe: Recipe) -> Any:
     local = Path(source).expanduser() / "config.json"
     path = local if local.is_file() else shipped_config_path(source)
     if path is not None:
-        return SimpleNamespace(**json.loads(path.read_text()))
+        return _with_class_defaults(json.loads(path.read_text()))
     from lowmem_tpu.model.loading import load_config
 
     config = load_config(recipe.model, offline=True)
@@ -182,3 +191,19 @@ def require_config(recipe: Recipe) -> Any:
             f"config.json as {CONFIGS / (name.replace('/', '__') + '.json')}"
         )
     return config
+
+
+def _with_class_defaults(raw: dict[str, Any]) -> Any:
+    """A config.json as attributes, with ``tie_word_embeddings`` from its config class where the file leaves
+    it out (Gemma does: the class default, true, applies). transformers is imported only then."""
+    text = raw.get("text_config", raw)
+    if "tie_word_embeddings" not in text and "tie_word_embeddings" not in raw and "model_type" in raw:
+        from transformers import AutoConfig
+
+        try:
+            defaults = AutoConfig.for_model(raw["model_type"])
+        except ValueError:
+            defaults = None
+        tied = getattr(defaults.get_text_config() if defaults else None, "tie_word_embeddings", False)
+        raw = {**raw, "tie_word_embeddings": bool(tied)}
+    return SimpleNamespace(**raw)

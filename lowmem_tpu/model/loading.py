@@ -215,13 +215,13 @@ def _from_checkpoint(cfg: ModelSection) -> Any:
                 model.get_submodule(layer).load_weight(tensor)
         if getattr(model.config.get_text_config(), "tie_word_embeddings", False):
             model.tie_weights()
+        missing = sorted(n for n, p in model.named_parameters() if p.is_meta)
+        if missing:  # never initialised in its place: a base must be the checkpoint's, whole
+            raise UserError(
+                f"model.name_or_path: {directory} lacks weights for {len(missing)} parameters "
+                f"(first: {', '.join(missing[:3])}); is it a checkpoint of this architecture?"
+            )
         _initialize_rest(model)
-    missing = sorted(n for n, p in model.named_parameters() if p.is_meta)
-    if missing:
-        raise UserError(
-            f"model.name_or_path: {directory} lacks weights for {len(missing)} parameters "
-            f"(first: {', '.join(missing[:3])}); is it a checkpoint of this architecture?"
-        )
     _generation_config(model, directory)
     return model
 

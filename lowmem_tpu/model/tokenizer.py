@@ -26,7 +26,10 @@ def load_tokenizer(cfg: ModelSection) -> Any:
     if tokenizer.pad_token is None or cfg.pad_token:
         choice = cfg.pad_token or tokenizer.unk_token or tokenizer.eos_token
         if choice is None or choice not in tokenizer.get_vocab():
-            raise UserError(f"model.pad_token: {choice!r} is not a token of this tokenizer; name one it has")
+            raise UserError(
+                f"model.pad_token: {choice!r} is not a token of this tokenizer; name one it has, or set "
+                "model.pad_token: null to use the tokenizer's own pad token (else its unk, else its eos)"
+            )
         tokenizer.pad_token = choice
     tokenizer.padding_side = "right"
     return tokenizer
@@ -74,11 +77,22 @@ def check_vocabulary(tokenizer: Any, config: Any) -> None:
 
 
 def align_special_tokens(model: Any, tokenizer: Any) -> None:
-    """Tell the model config which ids the tokenizer pads and ends with."""
+    """Tell the model config which ids the tokenizer pads and ends with.
+
+    The tokenizer's EOS comes first; every other end id the model lists is kept (Llama 3's end of turn
+    and end of message, Gemma's end of turn), so what it saves stops where the base stops.
+    """
     for config in (model.config, getattr(model, "generation_config", None)):
         if config is not None:
             config.pad_token_id = tokenizer.pad_token_id
-            config.eos_token_id = tokenizer.eos_token_id
+            config.eos_token_id = end_ids(tokenizer.eos_token_id, config.eos_token_id)
+
+
+def end_ids(first: int | None, listed: int | list[int] | None) -> int | list[int] | None:
+    """``first`` followed by the other ids of ``listed``: one id stays an int, several a list."""
+    others = listed if isinstance(listed, list) else [listed]
+    ids = list(dict.fromkeys(i for i in (first, *others) if i is not None))
+    return ids[0] if len(ids) == 1 else (ids or None)
 
 
 def save_tokenizer(tokenizer: Any, directory: Path) -> None:

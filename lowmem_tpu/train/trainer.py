@@ -142,7 +142,7 @@ class XlaSFTTrainer(SFTTrainer):
         loss = super().training_step(model, inputs, num_items_in_batch)
         if self.args.gradient_accumulation_steps > 1:
             # One micro-batch per XLA program: traced together, every micro-batch's forward pass
-            # ran before any backward pass, so accumulation saved nothing (XLA_NOTES: 5.06 -> 22.0
+            # ran before any backward pass, so accumulation saved nothing (5.06 -> 22.0
             # MiB for 1 -> 8 micro-batches unrolled; flat with a cut after each backward).
             rt.sync()
         return loss
