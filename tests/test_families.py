@@ -53,10 +53,23 @@ def test_a_checkpoint_missing_a_weight_is_refused(stand_ins, tmp_path):
         build_base_model(ModelSection(name_or_path=str(broken), dtype="float32"))
 
 
+LAYERS = {
+    "llama3": "LlamaDecoderLayer",
+    "qwen2": "Qwen2DecoderLayer",
+    "qwen3": "Qwen3DecoderLayer",
+    "gemma2": "Gemma2DecoderLayer",
+    "gemma3": "Gemma3DecoderLayer",
+    "mistral": "MistralDecoderLayer",
+    "phi3": "Phi3DecoderLayer",
+    "phi4": "Phi3DecoderLayer",
+    "gemma3_multimodal": "Gemma3DecoderLayer",  # not SiglipEncoderLayer, which _no_split_modules also names
+}
+
+
 @pytest.mark.parametrize("name", ALL)
 def test_the_wrapped_layer_is_the_text_decoders(stand_ins, name):
     model = build_base_model(ModelSection(name_or_path=str(stand_ins[name]), dtype="float32"), weights="meta")
-    assert layer_class(model, None) is type(model.get_decoder().layers[0])
+    assert layer_class(model, None).__name__ == LAYERS[name]
 
 
 @pytest.mark.parametrize(
@@ -89,6 +102,12 @@ def test_lora_on_the_multimodal_gemma_adapts_the_text_decoder_only(stand_ins):
         assert adapted and all(".language_model.layers." in n for n in adapted), targets
 
 
+def test_the_chunked_loss_is_refused_for_soft_capped_logits(stand_ins):
+    recipe = load_recipe(None, [f"model.name_or_path={stand_ins['gemma2']}", "train.chunked_loss=true"])
+    with pytest.raises(UserError, match=r"train.chunked_loss: gemma2 scales or soft-caps its logits"):
+        check_model(recipe)
+
+
 def test_a_target_that_matches_nothing_is_refused_by_validate(stand_ins):
     recipe = load_recipe(None, [f"model.name_or_path={stand_ins['phi3']}", "lora.target_modules=[q_proj,o_proj]"])
     with pytest.raises(
@@ -106,10 +125,10 @@ def _touch_xla() -> None:
     setup_runtime(RuntimeSection(device="cpu", num_cpu_devices=4))
 
 
-def _logits_and_grads(directory, implementation: str, ids, mask):
+def _logits_and_grads(directory, implementation: str, ids, mask, dtype=torch.float32):
     attention.register(implementation)
     model = AutoModelForCausalLM.from_pretrained(
-        directory, dtype=torch.float32, attn_implementation=attention.transformers_name(implementation)
+        directory, dtype=dtype, attn_implementation=attention.transformers_name(implementation)
     )
     labels = ids.masked_fill(mask == 0, -100)
     out = model(input_ids=ids, attention_mask=mask, labels=labels)
@@ -143,6 +162,22 @@ def test_flash_is_refused_where_the_model_windows_or_caps_attention(stand_ins, n
         check_model(recipe)
     with pytest.raises(UserError, match=r"has no sliding windows"):
         plan_recipe(recipe, "v5e-8")
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+def test_chunked_attention_equals_eager_in_bf16(stand_ins, name, monkeypatch):
+    """The training dtype: equal within bf16 rounding (eager rounds its probabilities to bf16, chunked keeps fp32)."""
+    _touch_xla()
+    monkeypatch.setattr(attention, "BLOCK", 8)
+    torch.manual_seed(1)
+    ids = torch.randint(3, 500, (2, 4 * WINDOW + 5))
+    mask = torch.ones_like(ids)
+    mask[1, 3 * WINDOW :] = 0
+    eager, _ = _logits_and_grads(stand_ins[name], "eager", ids, mask, torch.bfloat16)
+    chunked, _ = _logits_and_grads(stand_ins[name], "chunked", ids, mask, torch.bfloat16)
+    real = mask.bool()
+    error = (eager.float() - chunked.float())[real].abs().max() / eager.float()[real].abs().max()
+    assert error < 2e-2, error
 
 
 REAL_SIZE = {  # hidden, intermediate, layers, vocab: Gemma 2 9B, Mistral 7B, Qwen 2.5 7B, Llama 3.1 8B

@@ -6,6 +6,7 @@ model builder, ``validate``, the planner and its advisor decide alike. Imports n
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 
@@ -15,8 +16,6 @@ def text_config(config: Any) -> Any:
     if text is None:
         return config
     if isinstance(text, dict):
-        from types import SimpleNamespace
-
         return SimpleNamespace(**text)
     return text
 
@@ -50,9 +49,16 @@ def attention_features(config: Any) -> list[str]:
     return features
 
 
-def logit_softcap(config: Any) -> float | None:
-    """The final logits' soft-cap (Gemma 2), which the chunked loss does not apply."""
-    return getattr(text_config(config), "final_logit_softcapping", None) or None
+def chunked_loss_refusal(config: Any) -> str | None:
+    """Why ``train.chunked_loss`` cannot compute this model's loss, or None: it takes the head's plain
+    logits, while Gemma 2 soft-caps them (``final_logit_softcapping``) and Cohere scales them."""
+    text = text_config(config)
+    if not (getattr(text, "final_logit_softcapping", None) or getattr(text, "logit_scale", None)):
+        return None
+    return (
+        f"train.chunked_loss: {getattr(text, 'model_type', 'this model')} scales or soft-caps its logits, which the "
+        "chunked loss does not do; set train.chunked_loss: false"
+    )
 
 
 def flash_refusal(config: Any) -> str | None:

@@ -47,7 +47,7 @@ def _checkpointing(st: Setting, s: Shape, layout: str) -> tuple[Setting, str, st
 
 
 def _chunked_loss(st: Setting, s: Shape, layout: str) -> tuple[Setting, str, str] | None:
-    if st.chunked_loss or st.fused_head or s.logit_softcap:
+    if st.chunked_loss or st.fused_head or s.chunked_loss_refusal:
         return None
     text = "chunked loss (256 positions at a time: no whole [tokens, vocab] logits)"
     return replace(st, chunked_loss=True), text, "train.chunked_loss=true"

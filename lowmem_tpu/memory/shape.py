@@ -9,7 +9,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from lowmem_tpu.config import Recipe
-from lowmem_tpu.config.features import flash_refusal, logit_softcap, text_config
+from lowmem_tpu.config.features import chunked_loss_refusal, flash_refusal, text_config
 from lowmem_tpu.config.rules import batch_split_problem
 from lowmem_tpu.config.schema import LORA_TARGETS, QUANT_BITS, uses_master_weights
 from lowmem_tpu.errors import UserError
@@ -30,7 +30,7 @@ class Shape:
     attention_bias: bool = False
     mlp_bias: bool = False
     flash_refusal: str | None = None  # why flash cannot compute this attention (windows, soft-capped scores)
-    logit_softcap: bool = False  # soft-capped final logits, which the chunked loss does not apply
+    chunked_loss_refusal: str | None = None  # why the chunked loss cannot compute this model's logits
 
 
 def shape_of(config: Any) -> Shape:
@@ -55,7 +55,7 @@ def shape_of(config: Any) -> Shape:
         attention_bias=bool(getattr(config, "attention_bias", False)),
         mlp_bias=bool(getattr(config, "mlp_bias", False)),
         flash_refusal=flash_refusal(outer),
-        logit_softcap=bool(logit_softcap(outer)),
+        chunked_loss_refusal=chunked_loss_refusal(outer),
     )
 
 

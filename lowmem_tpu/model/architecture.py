@@ -6,7 +6,7 @@ import re
 from typing import Any
 
 from lowmem_tpu.config import Recipe
-from lowmem_tpu.config.features import flash_refusal, logit_softcap
+from lowmem_tpu.config.features import chunked_loss_refusal, flash_refusal
 from lowmem_tpu.config.schema import LORA_TARGETS
 from lowmem_tpu.errors import UserError
 from lowmem_tpu.model.loading import load_config, meta_model
@@ -20,14 +20,13 @@ def check_model(recipe: Recipe) -> str:
     positions = getattr(config, "max_position_embeddings", None)
     if positions and recipe.data.max_length > positions:
         raise UserError(f"data.max_length: {recipe.data.max_length} exceeds the model's {positions} positions")
-    refusal = flash_refusal(config) if recipe.model.attn_implementation == "flash" else None
-    if refusal:
-        raise UserError(refusal)
-    if recipe.train.chunked_loss and logit_softcap(config):
-        raise UserError(
-            f"train.chunked_loss: {config.model_type} soft-caps its logits (final_logit_softcapping), which the "
-            "chunked loss does not do; set train.chunked_loss: false"
-        )
+    for asked, refusal in (
+        (recipe.model.attn_implementation == "flash", flash_refusal),
+        (recipe.train.chunked_loss, chunked_loss_refusal),
+    ):
+        reason = refusal(config) if asked else None
+        if reason:
+            raise UserError(reason)
     if recipe.model.quantize != "none":
         from lowmem_tpu.model.quantize import check_quantizable
 

@@ -9,7 +9,7 @@ Training, the memory measurement and ``merge`` all build their base here.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -226,7 +226,7 @@ def _from_checkpoint(cfg: ModelSection) -> Any:
     return model
 
 
-def _checkpoint_names(model: Any, directory: Path) -> Any:
+def _checkpoint_names(model: Any, directory: Path) -> Callable[[str], str]:
     """``stored name -> model name``, as transformers' loader renames checkpoint keys for this model.
 
     A key that transformers would convert (merge, split or permute tensors) rather than rename cannot

@@ -102,14 +102,12 @@ def add_chunked_loss(causal_lm: Any) -> None:
     Wraps the instance's ``forward`` (TRL's, when TRL patched it), as TRL adds its fused head: PEFT
     and the FSDP wrappers call through to it. Other calls are unchanged.
     """
+    from lowmem_tpu.config.features import chunked_loss_refusal
     from lowmem_tpu.errors import UserError
 
-    config = causal_lm.config.get_text_config()
-    if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None):
-        raise UserError(
-            f"train.chunked_loss: {config.model_type} scales or soft-caps its logits, which the chunked loss "
-            "does not do; set train.chunked_loss: false"
-        )
+    refusal = chunked_loss_refusal(causal_lm.config)
+    if refusal:
+        raise UserError(refusal)
     original = causal_lm.forward
 
     @functools.wraps(original)
