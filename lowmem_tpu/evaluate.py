@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from lowmem_tpu.data.chat import Ending
+
 
 @dataclass(frozen=True)
 class ExactMatch:
@@ -27,6 +29,7 @@ def greedy_exact_match(
     tokenizer: Any,
     prompts: list[tuple[list[int], str]],
     *,
+    ending: Ending,
     length: int,
     max_new_tokens: int,
     batch_size: int,
@@ -40,7 +43,8 @@ def greedy_exact_match(
     try:
         for start in range(0, len(prompts), batch_size):
             chunk = prompts[start : start + batch_size]
-            completions += _decode_batch(model, tokenizer, chunk, length, max_new_tokens, batch_size, device, sync)
+            ids = _decode_batch(model, tokenizer, chunk, length, max_new_tokens, batch_size, device, sync)
+            completions += [ending.clean(tokenizer.decode(ending.cut(row), skip_special_tokens=True)) for row in ids]
     finally:
         model.train(was_training)
     correct = [c.strip() == answer.strip() for c, (_, answer) in zip(completions, prompts, strict=True)]
@@ -52,7 +56,7 @@ def greedy_exact_match(
     return ExactMatch(sum(correct) / max(total, 1), sum(correct), total, examples)
 
 
-def _decode_batch(model, tokenizer, chunk, length, max_new_tokens, batch_size, device, sync) -> list[str]:
+def _decode_batch(model, tokenizer, chunk, length, max_new_tokens, batch_size, device, sync) -> list[list[int]]:
     pad = tokenizer.pad_token_id
     # A prompt too long for the buffer loses its beginning, never its end (the generation prompt).
     rows = [ids[-(length - max_new_tokens) :] for ids, _ in chunk]
@@ -70,10 +74,4 @@ def _decode_batch(model, tokenizer, chunk, length, max_new_tokens, batch_size, d
             tokens = tokens.scatter(1, ends.view(-1, 1), last.argmax(-1).view(-1, 1))
             sync()
     host, host_ends = tokens.cpu(), ends.cpu()
-    out = []
-    for i, ids in enumerate(rows[: len(chunk)]):
-        generated = host[i, len(ids) : int(host_ends[i]) + 1].tolist()
-        if tokenizer.eos_token_id in generated:
-            generated = generated[: generated.index(tokenizer.eos_token_id)]
-        out.append(tokenizer.decode(generated, skip_special_tokens=True))
-    return out
+    return [host[i, len(ids) : int(host_ends[i]) + 1].tolist() for i, ids in enumerate(rows[: len(chunk)])]

@@ -16,6 +16,7 @@ from typing import Any
 
 from lowmem_tpu import faults, hosts
 from lowmem_tpu.config import Recipe, micro_batch_size
+from lowmem_tpu.console import say
 from lowmem_tpu.errors import UserError
 
 
@@ -63,7 +64,6 @@ class Job:
 
 def find_resume(recipe: Recipe, out: Path, force: bool) -> Path | None:
     """The checkpoint this run continues from, after cleaning up half-written ones."""
-    from lowmem_tpu.console import say
     from lowmem_tpu.train import checkpoint as ckpt
 
     for stale in ckpt.remove_incomplete(out) if hosts.is_main() else []:
@@ -125,7 +125,6 @@ def _run_sft(recipe: Recipe, runtime: Any, overwrite: bool, force_resume: bool, 
 
         check_push_ready(recipe)  # a missing, rejected or read-only token fails now, not after training
 
-    from lowmem_tpu.console import say
     from lowmem_tpu.model import check_model
 
     say(f"checking the recipe: {check_model(recipe)}")
@@ -185,7 +184,6 @@ def _run_sft(recipe: Recipe, runtime: Any, overwrite: bool, force_resume: bool, 
 def _tokenizer(recipe: Recipe) -> Any:
     """The tokenizer, checked against the model's embedding, with the chat template the data needs."""
     from lowmem_tpu import data, model
-    from lowmem_tpu.console import say
 
     tokenizer = model.load_tokenizer(recipe.model)
     config = model.load_config(recipe.model, offline=True) or model.load_config(recipe.model)
@@ -199,7 +197,6 @@ def _tokenizer(recipe: Recipe) -> Any:
 def _data(recipe: Recipe, tokenizer: Any, out: Path) -> tuple[Any, dict[str, Any], Any, Any]:
     """Training rows, held-out rows and exact-match prompts (tokenized once, then read from the cache)."""
     from lowmem_tpu import data
-    from lowmem_tpu.console import say
     from lowmem_tpu.data.rows import describe_cuts
 
     cache_dir = out / "data_cache"
@@ -274,7 +271,6 @@ def _train(job: Job, resume: Path | None) -> Any:
 def _build(recipe: Recipe, runtime, tokenizer, train_ds, eval_ds, micro: int, out: Path) -> Job:
     from lowmem_tpu import model as m
     from lowmem_tpu.config import parse_duration
-    from lowmem_tpu.console import say
     from lowmem_tpu.memory.record import run_plan
     from lowmem_tpu.train.guard import GuardCallback
     from lowmem_tpu.train.metrics import JsonlLog, MetricsCallback
@@ -339,7 +335,7 @@ def _base_reference(recipe: Recipe, model, tokenizer, out: Path) -> str:
 
 
 def _evaluate(job: Job, prompts, label: str) -> dict[str, Any]:
-    from lowmem_tpu.console import say
+    from lowmem_tpu.data.chat import ending
     from lowmem_tpu.evaluate import greedy_exact_match
     from lowmem_tpu.xla.runtime import sync
 
@@ -354,6 +350,7 @@ def _evaluate(job: Job, prompts, label: str) -> dict[str, Any]:
             trainer.fsdp_model,
             job.tokenizer,
             prompts,
+            ending=ending(job.tokenizer, job.model),
             length=recipe.data.max_length,
             max_new_tokens=recipe.train.max_new_tokens,
             batch_size=job.micro,
@@ -369,7 +366,6 @@ def _evaluate(job: Job, prompts, label: str) -> dict[str, Any]:
 
 def _save(recipe: Recipe, job: Job, tokenizer, out: Path, metrics: dict[str, Any], started: float) -> Path:
     """Write ``final/`` on host 0; the weights' host copies are gathered on every host (a collective)."""
-    from lowmem_tpu.console import say
     from lowmem_tpu.files import fresh_partial, publish, write_json, write_manifest
     from lowmem_tpu.model import save_tokenizer
     from lowmem_tpu.publish.export import check_adapter, save_adapter, save_full_model

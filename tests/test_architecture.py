@@ -18,7 +18,7 @@ MAY_IMPORT = {
     "data": {"config", "data"},
     "xla": {"config", "model", "xla"},
     "train": {"config", "model", "data", "xla", "train"},
-    "evaluate": set(),
+    "evaluate": {"data"},
     "memory": {"config", "model", "xla", "train", "memory"},
     "publish": {"config", "model", "publish"},
     "doctor": {"config", "xla"},

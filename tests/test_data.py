@@ -153,16 +153,24 @@ def test_chat_needs_a_template(tmp_path):
         build_dataset(DataSection(path=str(path)), tokenizer)
 
 
-def test_chat_template_not_prefix_stable(tmp_path):
+def test_a_turn_is_located_where_a_template_renders_prefixes_differently(tmp_path):
     tokenizer = make_tokenizer()
-    # The message count at the front changes every prefix of the conversation.
+    # The message count at the front changes every prefix of the conversation: the turn is found in context.
     tokenizer.chat_template = "{{ messages | length }}" + tokenizer.chat_template
     path = write_jsonl(tmp_path / "c.jsonl", [chat("a", "b")])
     cfg = DataSection(path=str(path), max_length=16)
-    with pytest.raises(DataError, match=r"prefix-stable.*data.mask_prompt: false"):
-        build_dataset(cfg, tokenizer)
+    dataset, _ = build_dataset(cfg, tokenizer)
+    assert trained_text(tokenizer, dataset[0]) == "b</s>"
     dataset, _ = build_dataset(cfg.model_copy(update={"mask_prompt": False}), tokenizer)
     assert trained_text(tokenizer, dataset[0]) == "<s>2<|user|>a<|assistant|>b</s>"
+
+
+def test_a_template_that_rewrites_the_content_is_refused(tmp_path):
+    tokenizer = make_tokenizer()
+    tokenizer.chat_template = tokenizer.chat_template.replace("message['content']", "message['content'] | upper")
+    path = write_jsonl(tmp_path / "c.jsonl", [chat("a", "b")])
+    with pytest.raises(DataError, match=r"record 1: assistant message 2 .* cannot be located.*mask_prompt: false"):
+        build_dataset(DataSection(path=str(path), max_length=16), tokenizer)
 
 
 def test_no_pad_token_is_an_error(tmp_path):

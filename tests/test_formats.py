@@ -97,7 +97,8 @@ def test_conversational_prompt_completion_trains_the_completion_only(tok, tmp_pa
     for row, record in zip(rows, CONVERSATIONAL, strict=True):
         masked, trained = split(tok, row)
         prompt = tok.apply_chat_template(record["prompt"], tokenize=False, add_generation_prompt=True)
-        assert masked == [tok.bos_token_id, *tok(prompt, add_special_tokens=False)["input_ids"]]  # BOS leads
+        assert prompt.startswith(tok.bos_token)  # the saved template writes the BOS every row starts with
+        assert masked == tok(prompt, add_special_tokens=False)["input_ids"]
         assert "You reverse words." in tok.decode(masked)  # the system turn is kept
         assert tok.decode(trained, skip_special_tokens=True).strip() == record["completion"][0]["content"]
     [(ids, answer)] = exact_match_prompts(cfg, tok, cfg.path, 1)
@@ -115,7 +116,7 @@ def test_sharegpt_reads_from_value_turns_as_chat(tok, tmp_path):
     chat_rows, _ = build_dataset(DataSection(path=str(write(tmp_path / "chat.jsonl", as_chat))), tok)
     assert rows.to_dict() == chat_rows.to_dict()  # the same rows as the same conversation in chat format
     masked, trained = split(tok, rows[0])
-    assert tok.decode(masked).startswith("<s> You reverse words.\n\n### User:")  # BOS, the system turn kept
+    assert tok.decode(masked).startswith("<s>You reverse words.\n\n### User:")  # BOS as the template writes it
     assert tok.decode(trained, skip_special_tokens=True).split() == ["nomel", "lemon"]  # both gpt turns
     [(_, answer)] = exact_match_prompts(cfg, tok, cfg.path, 1)
     assert answer == "lemon"

@@ -20,7 +20,7 @@ from lowmem_tpu.files import fresh_partial, publish, write_json
 if TYPE_CHECKING:
     import numpy as np
 
-VERSION = 4  # bump when the rows a setting produces change
+VERSION = 5  # bump when the rows a setting produces change
 ROWS, STATS = "rows.npz", "stats.json"
 
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import lowmem_tpu.data.fields as fields
 from lowmem_tpu.config import DataSection
+from lowmem_tpu.data.chat import assistant_turns, bos_ids, common_prefix, locate, render
 from lowmem_tpu.data.fields import CHAT_LIKE, require_columns
 from lowmem_tpu.data.loading import DataError
 
@@ -59,12 +60,17 @@ def _tokenize(tokenizer: Any, texts: list[str]) -> list[list[int]]:
 
 
 def _bos(tokenizer: Any) -> list[int]:
-    return [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
+    return list(bos_ids(tokenizer))
+
+
+def _ended(tokenizer: Any, ids: list[int]) -> list[int]:
+    """``ids`` ending with EOS once: a text that already ends with it gets no second one."""
+    return ids if ids[-1:] == [tokenizer.eos_token_id] else [*ids, tokenizer.eos_token_id]
 
 
 def _led_by_bos(tokenizer: Any, ids: list[int]) -> list[int]:
-    """A rendered conversation's ids starting with BOS, as every text the base was pretrained on did
-    (templates such as chatml and the shipped plain one do not write it; those that do keep theirs)."""
+    """A rendered conversation's ids starting with the BOS the tokenizer puts before every text, as the
+    base was pretrained (a template that writes it keeps its own; ``templates`` makes saved ones write it)."""
     bos = _bos(tokenizer)
     return ids if not bos or ids[:1] == bos else bos + ids
 
@@ -98,28 +104,12 @@ def _need_template(tokenizer: Any, where: str) -> None:
         )
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
-def _render(tokenizer: Any, messages: list[dict[str, Any]], generation_prompt: bool, where: str) -> str:
-    try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
-    except Exception as err:  # a template is user code: jinja errors, raise_exception(), KeyError...
-        raise DataError(f"{where}: the chat template failed on this conversation: {err}") from err
-
-
 def _text_texts(record: dict[str, Any], cfg: DataSection, tokenizer: Any, where: str) -> list[str]:
     return [fields.string(record, cfg, "text", where)]
 
 
 def _text_sample(ids: list[list[int]], cfg: DataSection, tokenizer: Any, where: str) -> Sample:
-    tokens = _bos(tokenizer) + ids[0] + [tokenizer.eos_token_id]
+    tokens = _ended(tokenizer, _bos(tokenizer) + ids[0])
     return tokens, list(tokens)
 
 
@@ -137,43 +127,32 @@ def _alpaca_sample(ids: list[list[int]], cfg: DataSection, tokenizer: Any, where
     the two first differ, so a merged token is trained as part of the answer.
     """
     prompt, joined = ids
-    boundary = len(_bos(tokenizer)) + _common_prefix(prompt, joined)
-    tokens = _bos(tokenizer) + joined + [tokenizer.eos_token_id]
+    boundary = len(_bos(tokenizer)) + common_prefix(prompt, joined)
+    tokens = _ended(tokenizer, _bos(tokenizer) + joined)
     labels = [IGNORE_INDEX] * boundary + tokens[boundary:] if cfg.mask_prompt else list(tokens)
     return tokens, labels
 
 
 def _chat_texts(record: dict[str, Any], cfg: DataSection, tokenizer: Any, where: str) -> list[str]:
-    """The whole conversation, then, with mask_prompt, each assistant turn's start and end renderings.
-
-    An assistant turn spans from the end of the conversation before it rendered with the generation
-    prompt to the end of the conversation including it, so whatever the template appends after the
-    content (EOS, newline) is trained too.
-    """
+    """The whole conversation, then, with mask_prompt, the whole text cut at each assistant turn's start
+    and end (``chat.locate``), so whatever the template writes after the content (EOS, newline) is trained."""
     messages = fields.conversation(record, cfg, where)
-    texts = [_render(tokenizer, messages, False, where)]
-    if cfg.mask_prompt:
-        for i in (i for i, message in enumerate(messages) if message["role"] == "assistant"):
-            texts += [
-                _render(tokenizer, messages[:i], True, where),
-                _render(tokenizer, messages[: i + 1], False, where),
-            ]
-    return texts
+    whole = render(tokenizer, messages, False, where)
+    cuts = [whole[:at] for turn in assistant_turns(tokenizer, messages, whole, where) for at in (turn.start, turn.end)]
+    return [whole, *cuts] if cfg.mask_prompt else [whole]
 
 
 def _chat_sample(ids: list[list[int]], cfg: DataSection, tokenizer: Any, where: str) -> Sample:
-    tokens, *prefixes = (_led_by_bos(tokenizer, part) for part in ids)
+    """Each turn's tokens are those past where the tokens of the text cut at its start stop matching the
+    whole text's, up to where those of the text cut at its end do: a token that joins the prompt's last
+    characters to the content is trained, as in alpaca."""
+    tokens, *cuts = (_led_by_bos(tokenizer, part) for part in ids)
     if not cfg.mask_prompt:
         return tokens, list(tokens)
-    if any(tokens[: len(prefix)] != prefix for prefix in prefixes):
-        raise DataError(
-            f"{where}: the chat template is not prefix-stable (a conversation rendered up to a turn does not "
-            "tokenize to a prefix of the whole one), so the assistant turns cannot be located; "
-            "set data.mask_prompt: false to train on every token"
-        )
     labels = [IGNORE_INDEX] * len(tokens)
-    for start, end in zip(prefixes[::2], prefixes[1::2], strict=True):
-        labels[len(start) : len(end)] = tokens[len(start) : len(end)]
+    for start, end in zip(cuts[::2], cuts[1::2], strict=True):
+        first, last = common_prefix(start, tokens), common_prefix(end, tokens)
+        labels[first:last] = tokens[first:last]
     return tokens, labels
 
 
@@ -185,8 +164,9 @@ def _prompt_completion_texts(record: dict[str, Any], cfg: DataSection, tokenizer
     if isinstance(prompt, str):
         return [prompt, prompt + completion]
     _need_template(tokenizer, where)
-    whole = _render(tokenizer, prompt + completion, False, where)
-    return [whole, _render(tokenizer, prompt, True, where), whole] if cfg.mask_prompt else [whole]
+    whole = render(tokenizer, prompt + completion, False, where)
+    start = common_prefix(render(tokenizer, prompt, True, where), whole)
+    return [whole, whole[:start], whole] if cfg.mask_prompt else [whole]
 
 
 def _prompt_completion_sample(ids: list[list[int]], cfg: DataSection, tokenizer: Any, where: str) -> Sample:
@@ -249,18 +229,28 @@ def _prompt(record: dict[str, Any], cfg: DataSection, tokenizer: Any, where: str
         prompt, answer = (_alpaca_fields if cfg.format == "alpaca" else _prompt_completion)(record, cfg, where)
         if isinstance(prompt, list):
             _need_template(tokenizer, where)
-            ids = _tokenize(tokenizer, [_render(tokenizer, prompt, True, where)])[0]
-            return _led_by_bos(tokenizer, ids), answer[-1]["content"]
+            return _rendered_answer(tokenizer, prompt, prompt + answer, where)
         ids = _tokenize(tokenizer, [prompt, prompt + answer])
-        boundary = len(_bos(tokenizer)) + _common_prefix(*ids)
-        return (_bos(tokenizer) + ids[1])[:boundary], answer
+        n = common_prefix(*ids)
+        if n < len(ids[0]):  # the prompt's last characters joined the answer's first token: expect them too
+            answer = tokenizer.decode(ids[1][n:], skip_special_tokens=True)
+        return _bos(tokenizer) + ids[1][:n], answer
     messages = fields.conversation(record, cfg, where)
     turns = [i for i, message in enumerate(messages) if message["role"] == "assistant"]
     if not turns:
         raise DataError(f"{where}: the conversation has no assistant turn to use as the expected answer")
-    last = turns[-1]
-    text = _render(tokenizer, messages[:last], True, where)
-    return _led_by_bos(tokenizer, _tokenize(tokenizer, [text])[0]), messages[last]["content"]
+    return _rendered_answer(tokenizer, messages[: turns[-1]], messages[: turns[-1] + 1], where)
+
+
+def _rendered_answer(
+    tokenizer: Any, prompt: list[dict[str, Any]], conversation: list[dict[str, Any]], where: str
+) -> tuple[list[int], str]:
+    """The prompt with the generation prompt -> what the template writes after it up to the end of the last
+    message's content (an empty think block included where the template writes one, as training saw it)."""
+    text = render(tokenizer, prompt, True, where)
+    whole = render(tokenizer, conversation, False, where)
+    turn = locate(tokenizer, conversation, whole, len(conversation) - 1, where)
+    return _led_by_bos(tokenizer, _tokenize(tokenizer, [text])[0]), whole[turn.start : turn.content_end]
 
 
 # --------------------------------------------------------------------------- prompts for generation
@@ -281,6 +271,6 @@ def generation_prompt(tokenizer: Any, fmt: str | None, messages: list[dict[str, 
     """
     fmt = prompt_style(fmt)
     if fmt == "chat":
-        return _led_by_bos(tokenizer, _tokenize(tokenizer, [_render(tokenizer, messages, True, "the prompt")])[0])
+        return _led_by_bos(tokenizer, _tokenize(tokenizer, [render(tokenizer, messages, True, "the prompt")])[0])
     text = messages[-1]["content"]
     return _bos(tokenizer) + _tokenize(tokenizer, [alpaca_prompt(text) if fmt == "alpaca" else text])[0]

@@ -65,6 +65,7 @@ def evaluate_directory(
 
 
 def _score(recipe: Any, runtime: Any, trained: Any, rows: Any, prompts: list, micro: int) -> dict[str, Any]:
+    from lowmem_tpu.data.chat import ending
     from lowmem_tpu.evaluate import greedy_exact_match
     from lowmem_tpu.train.trainer import build_trainer
     from lowmem_tpu.xla.runtime import sync
@@ -85,6 +86,7 @@ def _score(recipe: Any, runtime: Any, trained: Any, rows: Any, prompts: list, mi
             trainer.fsdp_model,
             tokenizer,
             prompts,
+            ending=ending(tokenizer, model),
             length=recipe.data.max_length,
             max_new_tokens=recipe.train.max_new_tokens,
             batch_size=micro,

@@ -32,13 +32,6 @@ class Options:
     base: str | None = None  # an adapter's base, when not the recorded one
 
 
-def _eos_ids(tokenizer: Any, model: Any) -> tuple[int, ...]:
-    ids = {tokenizer.eos_token_id}
-    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    ids |= set(configured) if isinstance(configured, list) else {configured}
-    return tuple(i for i in ids if i is not None)
-
-
 class Session:
     """A loaded model and its decoder; ``history`` is the conversation ``chat`` keeps."""
 
@@ -67,8 +60,10 @@ class Session:
             place_parameters(model, self.runtime, "fsdp")
         tokenizer = self.trained.tokenizer
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        eos = _eos_ids(tokenizer, model)
-        self.decoder = Decoder(model, device, sync, eos, pad or 0, self.trained.max_positions)
+        from lowmem_tpu.data.chat import ending
+
+        self.ending = ending(tokenizer, model)
+        self.decoder = Decoder(model, device, sync, self.ending.ids, pad or 0, self.trained.max_positions)
         self.history: list[dict[str, str]] = []
         self.compiles_at_start = self.compiles()
 
@@ -102,7 +97,7 @@ class Session:
         room = self.decoder.positions - len(ids)
         new = o.max_new_tokens or (min(DEFAULT_NEW_TOKENS, room) if room > 0 else DEFAULT_NEW_TOKENS)
         result = self.decoder.generate(ids, new, temperature=o.temperature, top_p=o.top_p, seed=o.seed)
-        return self.trained.tokenizer.decode(result.ids, skip_special_tokens=True), result
+        return self.ending.clean(self.trained.tokenizer.decode(result.ids, skip_special_tokens=True)), result
 
     def complete(self, prompt: str) -> tuple[str, Generation]:
         """The completion of one prompt (no history)."""
