@@ -27,13 +27,15 @@ from lowmem_tpu.config.shipped import describe_shipped
 from lowmem_tpu.console import size
 from lowmem_tpu.errors import UserError
 from lowmem_tpu.memory.tpu_compile import (
+    CompileTooLong,
     HostMemoryExhausted,
+    cleanup_on_sigterm,
     compile_beside_plan,
     compile_target,
     compile_traced,
     trace_step,
 )
-from lowmem_tpu.memory.tpu_layers import compile_points, extrapolate, layers_of
+from lowmem_tpu.memory.tpu_layers import LAYERS, WHOLE_LIMIT, compile_points, extrapolate, layers_of
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_TARGETS = ("v5e-8", "v5e-1")
@@ -55,11 +57,21 @@ def main() -> int:
     parser.add_argument("--check", action="store_true", help="exit 1 when a shipped recipe does not fit its target")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds one compile may take here")
     parser.add_argument(
+        "--layers", action="store_true", help="compile at 2 and 4 layers, extrapolated, without trying the whole step"
+    )
+    parser.add_argument(
+        "--whole-limit",
+        type=float,
+        default=WHOLE_LIMIT,
+        help="seconds the whole step may compile before 2 and 4 layers are compiled instead",
+    )
+    parser.add_argument(
         "--line-check",
         action="store_true",
         help="compile --only recipes at 2 and 4 layers: the line's error against their whole compile in --out",
     )
     args = parser.parse_args()
+    cleanup_on_sigterm()
     recorded = json.loads(args.out.read_text()) if args.out.exists() else {}
     if args.line_check:
         return line_check(args.only or [], recorded, args.timeout)
@@ -69,7 +81,8 @@ def main() -> int:
             continue
         key = f"{name}@{device}"
         try:
-            record = _compiled(name, device, path, recorded.get(key) if args.check else None, args.timeout)
+            limit = 0.0 if args.layers else args.whole_limit
+            record = _compiled(name, device, path, recorded.get(key) if args.check else None, args.timeout, limit)
         except UserError as err:
             print(f"  error: {err}", file=sys.stderr)
             failed.append(f"{key}: {err}")
@@ -93,7 +106,7 @@ def main() -> int:
     return 1 if args.check and failed else 0
 
 
-def _compiled(name: str, device: str, path: Path, recorded: dict | None, timeout: float) -> dict:
+def _compiled(name: str, device: str, path: Path, recorded: dict | None, timeout: float, whole_limit: float) -> dict:
     """One recipe's record: traced now; compiled now unless ``recorded`` holds the same program's figures."""
     target = compile_target(device)
     recipe = load_recipe(str(path), ["runtime.device=tpu"])
@@ -105,20 +118,22 @@ def _compiled(name: str, device: str, path: Path, recorded: dict | None, timeout
             print("  the same program as recorded: its figures stand", file=sys.stderr, flush=True)
             return recorded | _replanned(recipe, device, recorded) | {"reused": True}
         whole_too_big = (recorded or {}).get("whole_blocked")  # known: straight to the layers
+        few = layers_of(recipe) <= LAYERS[-1]
         try:
-            if whole_too_big:
-                raise HostMemoryExhausted(whole_too_big)
-            print(f"  compiling for {target.topology}...", file=sys.stderr, flush=True)
-            result = compile_traced(traced, target, Path(tmp), timeout)
-            extra = {}
-        except HostMemoryExhausted as err:
-            print(f"  {err}\n  compiling 2 and 4 layers, extrapolated...", file=sys.stderr, flush=True)
-            points = compile_points(recipe, target, Path(tmp) / "layers", timeout)
-            result = extrapolate(points, layers_of(recipe))
-            extra = {"whole_blocked": str(err), "layers": {n: _point(p) for n, p in points.items()}}
-        except UserError as err:
-            if "took over" not in str(err):
-                raise
+            try:
+                if (whole_too_big or not whole_limit) and not few:
+                    raise HostMemoryExhausted(whole_too_big or "not compiled whole here (--layers)")
+                print(f"  compiling for {target.topology}...", file=sys.stderr, flush=True)
+                result = compile_traced(traced, target, Path(tmp), timeout if few else min(timeout, whole_limit))
+                extra = {}
+            except (HostMemoryExhausted, CompileTooLong) as err:
+                if few:
+                    raise
+                print(f"  {err}\n  compiling 2 and 4 layers, extrapolated...", file=sys.stderr, flush=True)
+                points = compile_points(recipe, target, Path(tmp) / "layers", timeout)
+                result = extrapolate(points, layers_of(recipe))
+                extra = {"whole_blocked": str(err), "layers": {n: _point(p) for n, p in points.items()}}
+        except CompileTooLong as err:
             # Not a verdict on the recipe: this machine cannot run the compiler for it. Said, not failed.
             return {"program_key": traced.key, "device": device, "blocked": str(err), "fits": None}
     _, record, _ = compile_beside_plan(recipe, device, result)

@@ -10,6 +10,9 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 # The persistent compilation cache ("auto") goes under the user's cache directory: keep tests out of it.
 if "LOWMEM_TPU_TEST_CACHE" not in os.environ:
+    import atexit
+    import shutil
     import tempfile
 
     os.environ["LOWMEM_TPU_TEST_CACHE"] = os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="lowmem-tpu-cache-")
+    atexit.register(shutil.rmtree, os.environ["LOWMEM_TPU_TEST_CACHE"], ignore_errors=True)

@@ -56,7 +56,8 @@ def test_a_shipped_recipe_is_found_by_name_from_any_directory(tmp_path):
     assert result.returncode == 0 and yaml.safe_load(result.stdout)["train"]["max_steps"] == 7
     result = cli("validate", "no_such_recipe", cwd=tmp_path)
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert "no shipped recipe of that name (shipped: llama2_70b_qlora_v5e8, open_llama_7b_full_v5e16" in result.stderr
+    assert "no shipped recipe of that name (shipped: gemma2_9b_lora_v5e8, " in result.stderr
+    assert "open_llama_lora, " in result.stderr and "qwen3_8b_lora_v5e8, " in result.stderr
 
 
 def test_misspelt_key_exits_2_with_the_suggestion_and_no_traceback():

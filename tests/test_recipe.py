@@ -448,3 +448,13 @@ def test_flash_refuses_a_length_its_backward_cannot_tile_naming_the_ones_that_wo
         4096,
     ]
     load_recipe(None, ["runtime.device=tpu", "model.attn_implementation=flash", "data.max_length=1024"])
+
+
+def test_readme_recipe_table_is_generated_from_the_records():
+    """Every figure in the README's recipe table comes from the planner and docs/tpu_compile.json."""
+    spec = importlib.util.spec_from_file_location("recipe_table", ROOT / "scripts" / "recipe_table.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    readme = (ROOT / "README.md").read_text()
+    assert module.written(readme, module.table()) == readme, "run: python scripts/recipe_table.py --write"

@@ -21,22 +21,42 @@ app.add_typer(recipes_app, name="recipes")
 
 @recipes_app.callback()
 def recipes(ctx: typer.Context) -> None:
-    """List the shipped recipes with their purpose, target device and planned memory per device."""
+    """List the shipped recipes by model family, with their purpose, target device and planned memory per device."""
     if ctx.invoked_subcommand is not None:
         return
+    from lowmem_tpu.config.features import text_config
     from lowmem_tpu.config.shipped import describe_shipped
     from lowmem_tpu.memory.advise import gib, plan_recipe
+    from lowmem_tpu.memory.shape import require_config
 
+    by_family: dict[str, list[str]] = {}
     for item in describe_shipped():
+        family = "unknown"
         try:
             device = item.target or "cpu"
             loaded = load_recipe(item.path, [] if device == "cpu" else ["runtime.device=tpu"])
+            family = str(getattr(text_config(require_config(loaded)), "model_type", family))
             plan = plan_recipe(loaded, device).plan
             memory = f"{gib(plan.needed)} of {gib(plan.capacity)} per device on {device}"
         except UserError as err:
             memory = f"not planned: {err}"
-        typer.echo(f"{item.name}\n    {item.purpose}\n    target {item.target or 'none'}; planned {memory}")
+        entry = f"  {item.name}\n      {item.purpose}\n      target {item.target or 'none'}; planned {memory}"
+        by_family.setdefault(FAMILIES.get(family, family), []).append(entry)
+    for family, entries in sorted(by_family.items()):
+        typer.echo(f"{family}:\n" + "\n".join(entries))
     typer.echo("copy one to edit: lowmem-tpu recipes copy NAME DEST")
+
+
+# A config's model_type, as people name the family.
+FAMILIES = {
+    "llama": "Llama (Open Llama, Llama 2/3)",
+    "qwen2": "Qwen 2.5",
+    "qwen3": "Qwen 3",
+    "gemma2": "Gemma 2",
+    "gemma3_text": "Gemma 3",
+    "mistral": "Mistral",
+    "phi3": "Phi-3 / Phi-4",
+}
 
 
 @recipes_app.command("copy")

@@ -183,7 +183,12 @@ def _compile(recipe: str | None, overrides: list[str] | None, device: str | None
     """``memory --compile``: the TPU compiler's verdict on the recipe's step for one TPU."""
     try:
         from lowmem_tpu.memory.advise import plan_recipe
-        from lowmem_tpu.memory.tpu_compile import compile_beside_plan, compile_target, require_compiler
+        from lowmem_tpu.memory.tpu_compile import (
+            cleanup_on_sigterm,
+            compile_beside_plan,
+            compile_target,
+            require_compiler,
+        )
         from lowmem_tpu.memory.tpu_layers import compile_or_extrapolate
         from lowmem_tpu.xla.extras import require_scan_extra
 
@@ -197,6 +202,7 @@ def _compile(recipe: str | None, overrides: list[str] | None, device: str | None
         plan_recipe(loaded, target.name)  # a batch the chips do not split is refused before any compile
         where = f"{target.devices} CPU device(s)"
         typer.echo(f"tracing the step on {where}, then compiling it for {target.name}...", err=True)
+        cleanup_on_sigterm()
         compiled = compile_or_extrapolate(loaded, target)
         result, record, text = compile_beside_plan(loaded, target.name, compiled)
     except UserError as err:

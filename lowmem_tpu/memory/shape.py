@@ -193,17 +193,20 @@ def require_config(recipe: Recipe) -> Any:
     return config
 
 
-def _with_class_defaults(raw: dict[str, Any]) -> Any:
-    """A config.json as attributes, with ``tie_word_embeddings`` from its config class where the file leaves
-    it out (Gemma does: the class default, true, applies). transformers is imported only then."""
-    text = raw.get("text_config", raw)
-    if "tie_word_embeddings" not in text and "tie_word_embeddings" not in raw and "model_type" in raw:
-        from transformers import AutoConfig
+PLANNED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 
-        try:
-            defaults = AutoConfig.for_model(raw["model_type"])
-        except ValueError:
-            defaults = None
-        tied = getattr(defaults.get_text_config() if defaults else None, "tie_word_embeddings", False)
-        raw = {**raw, "tie_word_embeddings": bool(tied)}
-    return SimpleNamespace(**raw)
+
+def _with_class_defaults(raw: dict[str, Any]) -> Any:
+    """A config.json as attributes; one that leaves out what the planner reads goes through its transformers
+    config class, so each value left out takes the class default (Gemma leaves out ``tie_word_embeddings``,
+    true; Gemma 3 4B+ most of its ``text_config``). transformers is imported only then."""
+    text = raw.get("text_config", raw)
+    if all(key in text for key in PLANNED) and "tie_word_embeddings" in {**raw, **text}:
+        return SimpleNamespace(**raw)
+    from transformers import AutoConfig
+
+    fields = {key: value for key, value in raw.items() if key != "model_type"}
+    try:
+        return AutoConfig.for_model(raw["model_type"], **fields)
+    except (KeyError, ValueError, TypeError):
+        return SimpleNamespace(**raw)

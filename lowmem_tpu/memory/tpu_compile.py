@@ -255,24 +255,40 @@ class HostMemoryExhausted(UserError):
 LOW_MEMORY = 1 * 2**30  # stop the compiler when the host has less than this left (before the OOM killer)
 
 
+class CompileTooLong(UserError):
+    """The TPU compiler ran past its time here: not a verdict on the program."""
+
+
 def _watch(child: subprocess.Popen, timeout: float) -> tuple[int, bool]:
     """Wait for ``child``: its peak RSS (sampled), and whether it was stopped for the host's RAM running out.
 
-    At ``timeout`` it is killed (UserError).
+    At ``timeout`` it is stopped (CompileTooLong); whatever ends the wait (an error, Ctrl-C, SIGTERM made
+    SystemExit by :func:`cleanup_on_sigterm`), the compiler is not left running.
     """
     started, peak = time.monotonic(), 0
-    while child.poll() is None:
-        peak = max(peak, _rss(child.pid))
-        if time.monotonic() - started > timeout:
+    try:
+        while child.poll() is None:
+            peak = max(peak, _rss(child.pid))
+            if time.monotonic() - started > timeout:
+                raise CompileTooLong(f"the TPU compiler took over {timeout:.0f} s")
+            if (meminfo("MemAvailable") or 2**62) < LOW_MEMORY:
+                return peak, True
+            time.sleep(0.5)
+        return peak, False
+    finally:
+        if child.poll() is None:
             child.kill()
             child.wait()
-            raise UserError(f"the TPU compiler took over {timeout:.0f} s")
-        if (meminfo("MemAvailable") or 2**62) < LOW_MEMORY:
-            child.kill()
-            child.wait()
-            return peak, True
-        time.sleep(0.5)
-    return peak, False
+
+
+def cleanup_on_sigterm() -> None:
+    """Make SIGTERM a SystemExit, so temporary directories and the compiler child are removed as on Ctrl-C."""
+    import signal
+
+    def stop(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
 
 
 def _rss(pid: int) -> int:

@@ -21,6 +21,7 @@ from lowmem_tpu.config import Recipe
 from lowmem_tpu.config.devices import Device
 from lowmem_tpu.errors import UserError
 from lowmem_tpu.memory.tpu_compile import (
+    CompileTooLong,
     HostMemoryExhausted,
     TpuCompile,
     TracedStep,
@@ -30,22 +31,34 @@ from lowmem_tpu.memory.tpu_compile import (
 )
 
 LAYERS = (2, 4)
+WHOLE_LIMIT = 600.0  # seconds the whole step may compile here before 2 and 4 layers are compiled instead
 # Figures that are a fixed part plus a part per layer; the rest (the target, the versions) are the points'.
 LINEAR = ("arguments", "outputs", "aliased", "temporaries", "scratch", "host", "resident", "generated_code")
 LINEAR_RUN = ("placeholders", "donated")
 
 
 def layers_of(recipe: Recipe) -> int:
-    return int(_config(recipe)["num_hidden_layers"])
+    config = _config(recipe)
+    return int(config.get("text_config", config)["num_hidden_layers"])
 
 
 def cut(recipe: Recipe, layers: int, work: Path) -> Recipe:
-    """The recipe on a copy of its model's config with ``layers`` decoder layers (a config only: no weights)."""
+    """The recipe on a copy of its model's config with ``layers`` decoder layers (a config only: no weights).
+
+    A multimodal config's text decoder is cut; a per-layer attention list (Gemma's ``layer_types``) keeps
+    its first ``layers`` entries.
+    """
     from lowmem_tpu.memory.measure import load_recipe_text
 
+    config = _config(recipe)
+    text = dict(config.get("text_config", config))
+    text["num_hidden_layers"] = layers
+    if isinstance(text.get("layer_types"), list):
+        text["layer_types"] = text["layer_types"][:layers]
+    config = config | {"text_config": text} if "text_config" in config else text
     where = work / f"layers-{layers}"
     where.mkdir(parents=True, exist_ok=True)
-    (where / "config.json").write_text(json.dumps(_config(recipe) | {"num_hidden_layers": layers}))
+    (where / "config.json").write_text(json.dumps(config))
     return load_recipe_text(recipe, [f"model.name_or_path={where}"])
 
 
@@ -95,12 +108,16 @@ def compile_by_layers(recipe: Recipe, device: Device, work: Path, timeout: float
     return extrapolate(compile_points(recipe, device, work, timeout), layers_of(recipe))
 
 
-def compile_or_extrapolate(recipe: Recipe, device: Device, timeout: float = 3600) -> TpuCompile:
-    """The whole step compiled; if this machine's RAM runs out under the compiler, 2 and 4 layers extrapolated."""
+def compile_or_extrapolate(
+    recipe: Recipe, device: Device, timeout: float = 3600, whole_limit: float = WHOLE_LIMIT
+) -> TpuCompile:
+    """The whole step compiled; if this machine's RAM runs out under the compiler, or the whole compile takes
+    over ``whole_limit`` seconds (an 8B step takes over 20 minutes here), 2 and 4 layers extrapolated."""
+    few = layers_of(recipe) <= LAYERS[-1]
     try:
-        return compile_recipe(recipe, device, timeout)
-    except HostMemoryExhausted as err:
-        if layers_of(recipe) <= LAYERS[-1]:
+        return compile_recipe(recipe, device, timeout if few else min(timeout, whole_limit))
+    except (HostMemoryExhausted, CompileTooLong) as err:
+        if few:
             raise
         layers = f"{LAYERS[0]} and {LAYERS[1]} layers instead, extrapolated to {layers_of(recipe)}"
         print(f"{err}\ncompiling {layers}...", file=sys.stderr, flush=True)
