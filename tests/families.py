@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from family_tokenizers import make_tokenizer
 from transformers import AutoConfig, AutoModelForCausalLM
 
 WINDOW = 8  # shorter than the test rows, so a window changes what a query sees
@@ -224,4 +225,5 @@ def make_family(path: Path, name: str, seed: int = 0) -> Path:
     eos = raw.get("eos_token_id", raw.get("text_config", {}).get("eos_token_id"))
     generation = {"bos_token_id": raw.get("bos_token_id", 2), "eos_token_id": eos}
     (path / "generation_config.json").write_text(json.dumps(generation, indent=2))
+    make_tokenizer(path, name)
     return path

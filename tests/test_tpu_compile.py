@@ -246,6 +246,29 @@ def test_a_step_too_big_to_compile_here_is_the_line_through_2_and_4_layers(tmp_p
     assert not extrapolate({2: a, 4: refused}, 32).fits  # too big at 4 layers: too big at 32
 
 
+def test_a_multimodal_config_is_cut_in_its_text_decoder(tmp_path):
+    """Gemma 3 4B as the Hub ships it: the layers are the text_config's, and its per-layer attention list
+    (the class fills layer_types in) keeps its first entries."""
+    from lowmem_tpu.config import load_recipe
+    from lowmem_tpu.memory.tpu_layers import cut, layers_of
+
+    recipe = load_recipe("recipes/gemma3_4b_lora_v5e1.yaml", ["runtime.device=tpu"])
+    two = cut(recipe, 2, tmp_path)
+    config = json.loads((tmp_path / "layers-2" / "config.json").read_text())
+    assert layers_of(recipe) == 34 and layers_of(two) == 2 and "num_hidden_layers" not in config
+    assert config["text_config"]["num_hidden_layers"] == 2 and len(config["text_config"]["layer_types"]) == 2
+    assert config["vision_config"]["num_hidden_layers"] == 27  # the vision tower is kept whole
+
+
+def test_a_compile_past_its_time_is_stopped_and_the_child_never_outlives_the_wait():
+    from lowmem_tpu.memory.tpu_compile import CompileTooLong, _watch
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    with pytest.raises(CompileTooLong, match="took over 1 s"):
+        _watch(child, 1.0)
+    assert child.poll() is not None  # killed, not left running
+
+
 WATCHED = """
 import sys, threading, torch, torch_xla
 from pathlib import Path

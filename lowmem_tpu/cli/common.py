@@ -6,11 +6,24 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from typer.core import TyperGroup
 
 from lowmem_tpu.config import Recipe, load_recipe
 from lowmem_tpu.errors import UserError
 
+
+class Commands(TyperGroup):
+    """The command group: a UserError from any command ends it the one way (:func:`fail`: exit 2, no traceback)."""
+
+    def invoke(self, ctx: typer.Context) -> object:
+        try:
+            return super().invoke(ctx)
+        except UserError as err:
+            fail(err)
+
+
 app = typer.Typer(
+    cls=Commands,
     add_completion=False,
     no_args_is_help=True,
     rich_markup_mode=None,

@@ -9,8 +9,7 @@ from typing import Annotated, Any
 
 import typer
 
-from lowmem_tpu.cli.common import OverridesArg, RecipeArg, app, fail, load_args
-from lowmem_tpu.errors import UserError
+from lowmem_tpu.cli.common import OverridesArg, RecipeArg, app, load_args
 
 OPEN, CLOSE = "\u27e6", "\u27e7"  # marks trained text when there is no colour
 
@@ -24,26 +23,23 @@ def data(
 ) -> None:
     """Show the first records as training will see them (trained tokens marked), and how many records are
     truncated or dropped; loads the tokenizer, no weights. The rows land in the run's tokenization cache."""
-    try:
-        loaded = load_args(recipe, overrides)
-        if loaded.runtime.quiet:
-            from lowmem_tpu.console import quiet_python_warnings
+    loaded = load_args(recipe, overrides)
+    if loaded.runtime.quiet:
+        from lowmem_tpu.console import quiet_python_warnings
 
-            quiet_python_warnings()
-        from lowmem_tpu import model
-        from lowmem_tpu.data import set_chat_template
-        from lowmem_tpu.data.preview import counts, first_records
+        quiet_python_warnings()
+    from lowmem_tpu import model
+    from lowmem_tpu.data import set_chat_template
+    from lowmem_tpu.data.preview import counts, first_records
 
-        tokenizer = model.load_tokenizer(loaded.model)
-        chosen = set_chat_template(tokenizer, loaded.data)
-        source, shown = first_records(loaded.data, tokenizer, rows)
-        cfg = loaded.data
-        if not as_json:
-            _print_rows(source, cfg.format, cfg.max_length, chosen, shown, color=sys.stdout.isatty())
-            typer.echo(f"\ncounting every record (the rows go to {loaded.output_dir}/data_cache)...", err=True)
-        stats = counts(cfg, tokenizer, Path(loaded.output_dir) / "data_cache")
-    except UserError as err:
-        fail(err)
+    tokenizer = model.load_tokenizer(loaded.model)
+    chosen = set_chat_template(tokenizer, loaded.data)
+    source, shown = first_records(loaded.data, tokenizer, rows)
+    cfg = loaded.data
+    if not as_json:
+        _print_rows(source, cfg.format, cfg.max_length, chosen, shown, color=sys.stdout.isatty())
+        typer.echo(f"\ncounting every record (the rows go to {loaded.output_dir}/data_cache)...", err=True)
+    stats = counts(cfg, tokenizer, Path(loaded.output_dir) / "data_cache")
     if as_json:
         report = {"source": source, "format": cfg.format, "max_length": cfg.max_length, "chat_template": chosen}
         typer.echo(json.dumps(report | {"stats": stats, "rows": shown}, indent=2))

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from lowmem_tpu.cli.common import app, fail
+from lowmem_tpu.cli.common import app
 from lowmem_tpu.errors import UserError
 
 
@@ -21,19 +21,16 @@ def export(
     ] = None,
 ) -> None:
     """Turn a (sharded) training checkpoint into the adapter or model final/ would hold, for merge, generate, push."""
-    try:
-        from lowmem_tpu.publish.export import export_checkpoint
-        from lowmem_tpu.train.checkpoint import COMPLETE, EXPORT, STATE, read_trainable
+    from lowmem_tpu.publish.export import export_checkpoint
+    from lowmem_tpu.train.checkpoint import COMPLETE, EXPORT, STATE, read_trainable
 
-        if not (checkpoint / COMPLETE).is_file() or not (checkpoint / STATE / ".metadata").is_file():
-            raise UserError(
-                f"{checkpoint} is not a complete training checkpoint (no {COMPLETE} marker or {STATE}/); "
-                "give output_dir/checkpoints/step-N of a run"
-            )
-        target = out or checkpoint.with_name(checkpoint.name + "-export")
-        kind = export_checkpoint(read_trainable(checkpoint), checkpoint / EXPORT, target)
-    except UserError as err:
-        fail(err)
+    if not (checkpoint / COMPLETE).is_file() or not (checkpoint / STATE / ".metadata").is_file():
+        raise UserError(
+            f"{checkpoint} is not a complete training checkpoint (no {COMPLETE} marker or {STATE}/); "
+            "give output_dir/checkpoints/step-N of a run"
+        )
+    target = out or checkpoint.with_name(checkpoint.name + "-export")
+    kind = export_checkpoint(read_trainable(checkpoint), checkpoint / EXPORT, target)
     typer.echo(f"wrote the {kind} of {checkpoint} to {target}")
 
 
@@ -53,12 +50,9 @@ def merge(
     ] = False,
 ) -> None:
     """Merge a LoRA adapter into its base on the CPU; the result is checked against base + adapter."""
-    try:
-        from lowmem_tpu.publish.merge import merge_adapter
+    from lowmem_tpu.publish.merge import merge_adapter
 
-        merge_adapter(adapter_dir, out, base=base, revision=revision, dtype=dtype, force=force)
-    except UserError as err:
-        fail(err)
+    merge_adapter(adapter_dir, out, base=base, revision=revision, dtype=dtype, force=force)
 
 
 @app.command()
@@ -81,21 +75,18 @@ def push(
     ] = None,
 ) -> None:
     """Push an adapter or merged model with a generated model card and its recipe, as one commit."""
-    try:
-        from lowmem_tpu.publish.hub import format_plan
-        from lowmem_tpu.publish.hub import push as push_directory
+    from lowmem_tpu.publish.hub import format_plan
+    from lowmem_tpu.publish.hub import push as push_directory
 
-        result = push_directory(
-            directory,
-            repo_id,
-            private=private,
-            revision=revision,
-            create=create,
-            dry_run=dry_run,
-            license=license,
-            base_model=base_model,
-        )
-    except UserError as err:
-        fail(err)
+    result = push_directory(
+        directory,
+        repo_id,
+        private=private,
+        revision=revision,
+        create=create,
+        dry_run=dry_run,
+        license=license,
+        base_model=base_model,
+    )
     typer.echo(format_plan(result))
     typer.echo("dry run: nothing uploaded" if dry_run else f"pushed: {result.commit_url}")

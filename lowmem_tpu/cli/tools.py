@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from lowmem_tpu.cli.common import app, fail
+from lowmem_tpu.cli.common import app
 from lowmem_tpu.config import load_recipe
 from lowmem_tpu.errors import UserError
 
@@ -66,12 +66,9 @@ def recipes_copy(
     force: Annotated[bool, typer.Option("--force", help="Replace files that exist.")] = False,
 ) -> None:
     """Write a shipped recipe (and the recipes it extends, beside it) to DEST, ready to edit and validate."""
-    try:
-        from lowmem_tpu.config.shipped import copy_recipe
+    from lowmem_tpu.config.shipped import copy_recipe
 
-        written = copy_recipe(name, dest, force)
-    except UserError as err:
-        fail(err)
+    written = copy_recipe(name, dest, force)
     typer.echo(f"wrote {', '.join(map(str, written))}; check it with: lowmem-tpu validate {written[0]}")
 
 

@@ -16,22 +16,19 @@ from lowmem_tpu.errors import NonFiniteError, UserError
 @app.command()
 def validate(recipe: RecipeArg = None, overrides: OverridesArg = None) -> None:
     """Check a recipe (schema, files, batch split, layer class) without loading any weights."""
-    try:
-        loaded = load_args(recipe, overrides)
-        from lowmem_tpu.config.checks import target_problem
-        from lowmem_tpu.model import check_model
-        from lowmem_tpu.xla.runtime import configure_environment
+    loaded = load_args(recipe, overrides)
+    from lowmem_tpu.config.checks import target_problem
+    from lowmem_tpu.model import check_model
+    from lowmem_tpu.xla.runtime import configure_environment
 
-        problem = target_problem(loaded)
-        if problem:
-            raise UserError(problem)
-        configure_environment(loaded.runtime)
-        from lowmem_tpu.xla.extras import require_scan_extra
+    problem = target_problem(loaded)
+    if problem:
+        raise UserError(problem)
+    configure_environment(loaded.runtime)
+    from lowmem_tpu.xla.extras import require_scan_extra
 
-        require_scan_extra(loaded.sharding.scan_layers, load=False)  # valid, but not runnable here without it
-        summary = check_model(loaded)
-    except UserError as err:
-        fail(err)
+    require_scan_extra(loaded.sharding.scan_layers, load=False)  # valid, but not runnable here without it
+    summary = check_model(loaded)
     target = f"; sized for {loaded.runtime.target}" if loaded.runtime.target else ""
     typer.echo(f"ok: {recipe or 'embedded default'} is valid ({summary}{target})")
 
@@ -39,10 +36,7 @@ def validate(recipe: RecipeArg = None, overrides: OverridesArg = None) -> None:
 @app.command()
 def show(recipe: RecipeArg = None, overrides: OverridesArg = None) -> None:
     """Print the resolved recipe (extends merged, overrides applied, every default spelled out)."""
-    try:
-        typer.echo(load_args(recipe, overrides).to_yaml(), nl=False)
-    except UserError as err:
-        fail(err)
+    typer.echo(load_args(recipe, overrides).to_yaml(), nl=False)
 
 
 @app.command()
@@ -63,8 +57,6 @@ def sft(
     except NonFiniteError as err:
         typer.echo(f"error: training diverged: {err}", err=True)
         raise typer.Exit(1) from None
-    except UserError as err:
-        fail(err)
     except KeyboardInterrupt:
         typer.echo("interrupted", err=True)
         raise typer.Exit(130) from None
@@ -100,11 +92,8 @@ def plot(
     """Draw a run's loss curve (loss, eval loss, learning rate, tokens/s against the step), even while it trains."""
     from lowmem_tpu.train.plot import LOSS_PNG, describe, draw, find_run, read_log, summarize
 
-    try:
-        found = find_run(run_dir)
-        path = draw(found, out or found / LOSS_PNG)
-    except UserError as err:
-        fail(err)
+    found = find_run(run_dir)
+    path = draw(found, out or found / LOSS_PNG)
     summary = summarize(read_log(found))
     if as_json:
         import json
@@ -155,18 +144,15 @@ def memory(
     if compile_:
         _compile(recipe, overrides, device, as_json)
         return
-    try:
-        from lowmem_tpu.memory.advise import default_device, format_report, plan_recipe, report_json
+    from lowmem_tpu.memory.advise import default_device, format_report, plan_recipe, report_json
 
-        # Planning for a TPU: the batch must split over its devices (the planner checks), not the CPU's.
-        loaded = load_args(recipe, [*(overrides or []), "runtime.device=tpu"]) if device != "cpu" else None
-        device = device or default_device(loaded)
-        if device == "cpu":
-            loaded = load_args(recipe, overrides)
-        report = plan_recipe(loaded, device)
-        measured = _measure(load_args(recipe, overrides)) if measure else None
-    except UserError as err:
-        fail(err)
+    # Planning for a TPU: the batch must split over its devices (the planner checks), not the CPU's.
+    loaded = load_args(recipe, [*(overrides or []), "runtime.device=tpu"]) if device != "cpu" else None
+    device = device or default_device(loaded)
+    if device == "cpu":
+        loaded = load_args(recipe, overrides)
+    report = plan_recipe(loaded, device)
+    measured = _measure(load_args(recipe, overrides)) if measure else None
     if as_json:
         import json
 
@@ -181,32 +167,29 @@ def memory(
 
 def _compile(recipe: str | None, overrides: list[str] | None, device: str | None, as_json: bool) -> None:
     """``memory --compile``: the TPU compiler's verdict on the recipe's step for one TPU."""
-    try:
-        from lowmem_tpu.memory.advise import plan_recipe
-        from lowmem_tpu.memory.tpu_compile import (
-            cleanup_on_sigterm,
-            compile_beside_plan,
-            compile_target,
-            require_compiler,
-        )
-        from lowmem_tpu.memory.tpu_layers import compile_or_extrapolate
-        from lowmem_tpu.xla.extras import require_scan_extra
+    from lowmem_tpu.memory.advise import plan_recipe
+    from lowmem_tpu.memory.tpu_compile import (
+        cleanup_on_sigterm,
+        compile_beside_plan,
+        compile_target,
+        require_compiler,
+    )
+    from lowmem_tpu.memory.tpu_layers import compile_or_extrapolate
+    from lowmem_tpu.xla.extras import require_scan_extra
 
-        loaded = load_args(recipe, [*(overrides or []), "runtime.device=tpu"])
-        name = device or loaded.runtime.target
-        if name in (None, "cpu"):
-            raise UserError("--compile compiles for a TPU: name one with --device (e.g. v5e-8, v5e-1)")
-        target = compile_target(name)
-        require_compiler()
-        require_scan_extra(loaded.sharding.scan_layers, load=False)
-        plan_recipe(loaded, target.name)  # a batch the chips do not split is refused before any compile
-        where = f"{target.devices} CPU device(s)"
-        typer.echo(f"tracing the step on {where}, then compiling it for {target.name}...", err=True)
-        cleanup_on_sigterm()
-        compiled = compile_or_extrapolate(loaded, target)
-        result, record, text = compile_beside_plan(loaded, target.name, compiled)
-    except UserError as err:
-        fail(err)
+    loaded = load_args(recipe, [*(overrides or []), "runtime.device=tpu"])
+    name = device or loaded.runtime.target
+    if name in (None, "cpu"):
+        raise UserError("--compile compiles for a TPU: name one with --device (e.g. v5e-8, v5e-1)")
+    target = compile_target(name)
+    require_compiler()
+    require_scan_extra(loaded.sharding.scan_layers, load=False)
+    plan_recipe(loaded, target.name)  # a batch the chips do not split is refused before any compile
+    where = f"{target.devices} CPU device(s)"
+    typer.echo(f"tracing the step on {where}, then compiling it for {target.name}...", err=True)
+    cleanup_on_sigterm()
+    compiled = compile_or_extrapolate(loaded, target)
+    result, record, text = compile_beside_plan(loaded, target.name, compiled)
     if as_json:
         import json
 
@@ -239,13 +222,10 @@ def compare(
     ] = None,
 ) -> None:
     """LoRA vs full fine-tuning per device: planned beside measured (TPU runtime peak, or the CPU compiler's)."""
-    try:
-        loaded = load_args(recipe, overrides)
-        from lowmem_tpu.memory.compare import compare_recipe, format_compare
+    loaded = load_args(recipe, overrides)
+    from lowmem_tpu.memory.compare import compare_recipe, format_compare
 
-        result = compare_recipe(loaded, steps, out or Path(loaded.output_dir) / "compare")
-    except UserError as err:
-        fail(err)
+    result = compare_recipe(loaded, steps, out or Path(loaded.output_dir) / "compare")
     typer.echo(format_compare(result))
     where = out or Path(loaded.output_dir) / "compare"
     chart = result["chart"] or "no chart (pip install -c constraints.txt matplotlib)"

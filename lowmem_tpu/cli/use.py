@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from lowmem_tpu.cli.common import app, fail
+from lowmem_tpu.cli.common import app
 from lowmem_tpu.errors import UserError
 
 TrainedArg = Annotated[
@@ -52,20 +52,17 @@ def generate(
     verbose: Annotated[bool, typer.Option("--verbose", help="Also print tokens/s and XLA graphs compiled.")] = False,
 ) -> None:
     """Complete one prompt with a trained model (formatted as its run trained it); prints only the completion."""
-    try:
-        session = _session(
-            directory,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            seed=seed,
-            raw=raw,
-            device=device,
-            base=base,
-        )
-        text, result = session.complete(prompt)
-    except UserError as err:
-        fail(err)
+    session = _session(
+        directory,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        seed=seed,
+        raw=raw,
+        device=device,
+        base=base,
+    )
+    text, result = session.complete(prompt)
     typer.echo(text)
     if verbose:
         how = f"{session.prompt_format or 'raw'} prompt of {result.prompt_tokens} tokens"
@@ -88,19 +85,16 @@ def chat(
     base: BaseOpt = None,
 ) -> None:
     """Talk to a trained model; the conversation is kept (a chat model sees it all). /reset, /exit."""
-    try:
-        session = _session(
-            directory,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            seed=seed,
-            raw=raw,
-            device=device,
-            base=base,
-        )
-    except UserError as err:
-        fail(err)
+    session = _session(
+        directory,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        seed=seed,
+        raw=raw,
+        device=device,
+        base=base,
+    )
     fmt = session.prompt_format or "raw"
     memory = "the whole conversation" if fmt == "chat" else "each message on its own"
     typer.echo(f"{directory} ({fmt} prompts: the model sees {memory}). /reset starts over, /exit leaves.", err=True)
@@ -152,17 +146,14 @@ def eval_command(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of the summary.")] = False,
 ) -> None:
     """Held-out loss, perplexity, token accuracy and greedy exact match: the numbers sft prints, for any data."""
-    try:
-        import contextlib
+    import contextlib
 
-        from lowmem_tpu.infer.score import evaluate_directory, format_scores
+    from lowmem_tpu.infer.score import evaluate_directory, format_scores
 
-        # With --json, stdout carries the one JSON object: progress goes to stderr.
-        quiet = contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext()
-        with quiet:
-            result = evaluate_directory(directory, data, fmt=fmt, split=split, samples=samples)
-    except UserError as err:
-        fail(err)
+    # With --json, stdout carries the one JSON object: progress goes to stderr.
+    quiet = contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext()
+    with quiet:
+        result = evaluate_directory(directory, data, fmt=fmt, split=split, samples=samples)
     if as_json:
         import json
 
