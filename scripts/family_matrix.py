@@ -168,7 +168,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "families.json")
     args = parser.parse_args()
-    names = [n for n in NAMES if args.only is None or n in args.only]
+    names = [n for n in (*NAMES, "gemma3_multimodal") if args.only is None or n in args.only]
     recorded = json.loads(args.out.read_text()) if args.out.exists() else {}
     for name in names:
         print(f"[{name}]", file=sys.stderr, flush=True)

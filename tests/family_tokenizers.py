@@ -155,6 +155,7 @@ END_OF_TURN = {
     "phi3": "<|end|>\n",
     "phi4": "<|im_end|>",
 }
+END_OF_TURN["gemma3_multimodal"] = END_OF_TURN["gemma3"]
 
 
 def _fill(special: dict[int, str], first: int, last: int) -> list[str]:

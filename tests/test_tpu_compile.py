@@ -298,3 +298,20 @@ def test_a_traced_program_on_placeholders_is_taken_and_never_runs(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["refused", "True"]
+
+
+def test_the_program_key_follows_what_the_compiler_does_not_its_prose(tmp_path, monkeypatch):
+    from lowmem_tpu.memory.tpu_compile import compiler_fingerprint
+
+    source = Path(tpu_compile.tpu_compiler_source()).read_text()
+    reworded = tmp_path / "reworded.py"
+    reworded.write_text(
+        source.replace('"""The TPU compiler without a TPU', '"""Reworded: the TPU compiler', 1) + "\n# a note\n"
+    )
+    changed = tmp_path / "changed.py"
+    changed.write_text(source + "\nEXTRA = 1\n")
+    keys = {}
+    for name, path in (("as is", tpu_compile.tpu_compiler_source()), ("reworded", reworded), ("changed", changed)):
+        monkeypatch.setattr(tpu_compile, "tpu_compiler_source", lambda path=path: str(path))
+        keys[name] = compiler_fingerprint()
+    assert keys["as is"] == keys["reworded"] != keys["changed"]

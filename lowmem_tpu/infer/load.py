@@ -38,7 +38,7 @@ class Trained:
 
     @property
     def max_positions(self) -> int:
-        return int(getattr(self.model.config, "max_position_embeddings", 2048))
+        return int(getattr(self.model.config.get_text_config(), "max_position_embeddings", 2048))
 
 
 def kind_of(directory: Path) -> str:

@@ -102,7 +102,7 @@ def _trainer(recipe: Recipe, runtime: Any, model: Any, micro: int, callback: Any
     from lowmem_tpu.train.trainer import build_trainer
 
     rows = recipe.train.global_batch_size * (recipe.train.max_steps + 1)
-    dataset = synthetic_dataset(recipe, model.config.vocab_size, rows)
+    dataset = synthetic_dataset(recipe, model.config.get_text_config().vocab_size, rows)
     return build_trainer(recipe, runtime, model, dataset, any_tokenizer(recipe), micro, [callback])
 
 

@@ -6,7 +6,7 @@ import re
 from typing import Any
 
 from lowmem_tpu.config import Recipe
-from lowmem_tpu.config.features import chunked_loss_refusal, flash_refusal
+from lowmem_tpu.config.features import chunked_loss_refusal, flash_refusal, text_config
 from lowmem_tpu.config.schema import LORA_TARGETS
 from lowmem_tpu.errors import UserError
 from lowmem_tpu.model.loading import load_config, meta_model
@@ -17,7 +17,7 @@ def check_model(recipe: Recipe) -> str:
     config = load_config(recipe.model, offline=True)
     if config is None:
         return f"{recipe.model.name_or_path}: config not available offline, layer class not checked"
-    positions = getattr(config, "max_position_embeddings", None)
+    positions = getattr(text_config(config), "max_position_embeddings", None)
     if positions and recipe.data.max_length > positions:
         raise UserError(f"data.max_length: {recipe.data.max_length} exceeds the model's {positions} positions")
     for asked, refusal in (
@@ -140,6 +140,7 @@ def flops_per_token(config: Any, total: int, trainable: int, seq_len: int, lora:
     forward matmul whether or not anything trains. Recomputation by checkpointing is not counted
     (model FLOPs, not hardware FLOPs).
     """
+    config = text_config(config)  # a multimodal model's: its text decoder's
     layers, hidden = config.num_hidden_layers, config.hidden_size
     embedding = config.vocab_size * hidden  # a lookup, not a matmul
     dense = total - embedding

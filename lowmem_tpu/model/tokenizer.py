@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from lowmem_tpu.config import ModelSection
+from lowmem_tpu.config.features import text_config
 from lowmem_tpu.errors import UserError
 from lowmem_tpu.model.loading import resolve_source
 
@@ -60,7 +61,7 @@ def check_vocabulary(tokenizer: Any, config: Any) -> None:
     On XLA an out-of-range row is gathered silently (eager PyTorch raises), so the model would train
     on garbage with a plausible-looking loss.
     """
-    rows = getattr(config, "vocab_size", None)
+    rows = getattr(text_config(config), "vocab_size", None)  # a multimodal model's: its text decoder's
     if rows is None:
         return
     fix = "use the model's own tokenizer (model.tokenizer) or a model whose embedding has a row for every token"

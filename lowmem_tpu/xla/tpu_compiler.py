@@ -6,8 +6,8 @@ that torch_xla traced on the CPU backend (the ``*.before_optimizations.hlo.pb`` 
 ``--xla_dump_to`` writes: what torch_xla hands PJRT, shardings and buffer donors included) for a
 TPU topology, and reports what the TPU compiler says about it.
 
-Three traps (``../shared/XLA_NOTES.md``, "The TPU compiler without a TPU") would each give wrong
-figures without an error, and are undone here:
+Three traps (docs/tpu_compiler.md, "Three traps") would each give wrong figures without an error,
+and are undone here:
 
 - ``hlo_to_stablehlo`` drops the buffer donors: they are put back from the module's text header as
   ``jax.buffer_donor`` (else nothing aliases and every updated weight counts twice);
