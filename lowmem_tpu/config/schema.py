@@ -111,8 +111,8 @@ class LoraSection(Section):
         ge=0,
         lt=1,
         description="Dropout on the LoRA input. 0 by default: on a TPU every layer's random bits are kept for "
-        "the backward pass, checkpointed or not (+1.58 GiB per chip over 4 layers of Open Llama 3B at 4 x 1024 "
-        "tokens per chip, per the TPU compiler: docs/memory.md).",
+        "the backward pass, checkpointed or not, which costs much memory per chip (the figure: "
+        "`lowmem-tpu memory RECIPE lora.dropout=0.05 --compile`; docs/memory.md).",
     )
     target_modules: list[str] | Literal["all-linear"] = Field(
         default_factory=lambda: list(LORA_TARGETS),
@@ -205,20 +205,20 @@ class ShardingSection(Section):
     )
     activation_checkpointing: bool | str = Field(
         True,
-        description="true: recompute every decoder layer in backward (keeps each layer's input only, ~+30% "
-        "compute); every_K (every_2, every_3, ...): recompute one layer in K, the others keep their "
+        description="true: recompute every decoder layer in backward (keeps each layer's input only, one more "
+        "forward of each layer); every_K (every_2, every_3, ...): recompute one layer in K, the others keep their "
         "activations (K times less recompute, more memory); false: recompute nothing.",
     )
     offload_activations: bool = Field(
         False,
         description="Refused: host offload of the checkpointed layer inputs saves no HBM per the TPU compiler "
-        "(3.74 GiB per chip with and without on open_llama_lora for v5e-8; docs/memory.md).",
+        "(the same figure with and without on open_llama_lora for v5e-8; docs/memory.md).",
     )
     scan_layers: bool = Field(
         False,
         description="Compile one decoder layer and scan it over all layers (torch_xla scan_layers): "
-        "the 3B steps compile 1.6-2.4x faster for a TPU; stacks the layer weights each step (+1 copy of them, "
-        "sharded: 3B LoRA on v5e-8 4.11 GiB per chip against 3.36 unrolled; docs/tpu_compiler.md).",
+        "the step compiles faster for a TPU; stacks the layer weights each step (one more sharded copy of "
+        "them per chip: `lowmem-tpu memory RECIPE sharding.scan_layers=true --compile`; docs/tpu_compiler.md).",
     )
     layer_class: str | None = Field(
         None, description="Decoder layer class to wrap and checkpoint (default: the model's own decoder layer)."
