@@ -458,3 +458,5 @@ def test_readme_recipe_table_is_generated_from_the_records():
     spec.loader.exec_module(module)
     readme = (ROOT / "README.md").read_text()
     assert module.written(readme, module.table()) == readme, "run: python scripts/recipe_table.py --write"
+    doc = (ROOT / "docs" / "tpu_compiler.md").read_text()
+    assert module.written(doc, module.compiler_table()) == doc, "run: python scripts/recipe_table.py --write"
