@@ -1,11 +1,12 @@
-# Two commands that work on a fresh machine with Python 3.11 and pip:
+# Commands that work on a fresh machine with Python 3.11 and pip:
 #   make demo   - train the embedded default (tiny Llama, LoRA, 4 CPU XLA devices)
-#   make test   - the whole test suite
+#   make check  - lint and the fast lane (tests/unit: no XLA started, no training)
+#   make test   - the whole test suite (tests/unit and tests/e2e)
 PYTHON ?= python3
 VENV ?= .venv
 STAMP := $(VENV)/.installed-$(shell cat constraints.txt pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: demo test lint format install install-scan tpu-compile-check clean
+.PHONY: demo check test lint format install install-scan tpu-compile-check clean
 
 install: $(STAMP)
 
@@ -31,6 +32,12 @@ test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadscope
+
+# The fast lane: ruff as above and tests/unit only (no test starts XLA in its process or trains; docs/testing.md).
+check: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadscope tests/unit
 
 # Every shipped recipe's step traced here and checked against the TPU compiler's verdict for its target
 # (a program byte for byte the one in docs/tpu_compile.json keeps its figures; any other is compiled).

@@ -4,7 +4,7 @@
 
 Writes a synthetic Alpaca file of ``--records`` records (alpaca-cleaned has 51,760; lengths drawn
 to look like it: instructions of ~15 words, an input on 40% of them, outputs of ~50-250 words),
-builds the Open-Llama-shaped tokenizer (tests/open_llama_like.py: sentencepiece ``tokenizer.model``,
+builds the Open-Llama-shaped tokenizer (tests/helpers/open_llama_like.py: sentencepiece ``tokenizer.model``,
 loaded slow unless ``--fast``), then runs ``data.build_dataset`` twice with a cache directory.
 Prints seconds for each pass, the cache's size and the peak RSS (what each host of a pod slice holds:
 every host builds the same rows), then times ``lowmem-tpu data`` (the preview command, a fresh process)
@@ -54,7 +54,7 @@ def main() -> None:
     parser.add_argument("--max-length", type=int, default=1024)
     parser.add_argument("--fast", action="store_true", help="the fast (Rust) tokenizer instead of the slow one")
     args = parser.parse_args()
-    sys.path.insert(0, str(ROOT / "tests"))
+    sys.path.insert(0, str(ROOT / "tests" / "helpers"))
     from open_llama_like import build
 
     from lowmem_tpu.config import DataSection, ModelSection

@@ -2,8 +2,8 @@
 
     .venv/bin/python scripts/family_matrix.py [--only llama3 qwen3 ...] [--steps 150] [--out docs/families.json]
 
-For each family (``tests/families.py``: its config.json as the Hub has it, shrunk, random weights;
-``tests/family_tokenizers.py``: its tokenizer kind, special tokens, EOS list and chat template):
+For each family (``tests/helpers/families.py``: its config.json as the Hub has it, shrunk, random weights;
+``tests/helpers/family_tokenizers.py``: its tokenizer kind, special tokens, EOS list and chat template):
 
 1. ``sft`` LoRA on two-turn chat data (reverse a word, then another) with the family's own template:
    user turns masked, held-out greedy exact match before and after;
@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "helpers"))
 
 from families import make_family  # noqa: E402
 from family_tokenizers import END_OF_TURN  # noqa: E402

@@ -2,7 +2,7 @@
 
     python scripts/rehearse_open_llama.py [--steps 10]
 
-Builds an Open-Llama-shaped directory (tests/open_llama_like.py: the Hub's file set, a 400-piece
+Builds an Open-Llama-shaped directory (tests/helpers/open_llama_like.py: the Hub's file set, a 400-piece
 sentencepiece tokenizer, bf16 weights in pytorch_model.bin) and a small Alpaca file, then runs
 the shipped recipes on it with local overrides: ``open_llama_lora.yaml``, and
 ``open_llama_full.yaml`` with AdamW at lr 2e-5 (constant) in bf16 with and without fp32 master
@@ -26,7 +26,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10)
     args = parser.parse_args()
-    sys.path.insert(0, str(ROOT / "tests"))
+    sys.path.insert(0, str(ROOT / "tests" / "helpers"))
     import torch
     from open_llama_like import build
     from safetensors.torch import load_file

@@ -96,7 +96,7 @@ def flash_tiles(length: int) -> bool:
 
     ``experimental/custom_kernel.py`` gives the dq kernel blocks of min(1024, L), min(512, L) and
     min(256, L), the dkv kernel min(512, L); JAX's Pallas kernel refuses a block that does not divide L
-    and a key block that is not a multiple of 128 lanes (traced for a TPU: tests/test_tpu_only_paths.py).
+    and a key block that is not a multiple of 128 lanes (traced for a TPU: tests/e2e/test_tpu_only_paths.py).
     """
     return length % 128 == 0 and all(length % min(block, length) == 0 for block in (1024, 512, 256))
 

@@ -172,6 +172,10 @@ def _trace_hook(record: dict[str, Any], result: Path) -> Any:
     dump = Path(os.environ["LOWMEM_DUMP_DIR"])
 
     def done(module: Path, text: Path) -> None:
+        idle = record.pop("_idle")()
+        record["placeholders"] -= len(idle)  # weights the step never reads are no argument of its program
+        record["model_placeholders"] -= len(idle)
+        record["idle"] = resident_tensors(idle)
         record.update(module=str(module), module_text=str(text), host_peak_rss_bytes=_host_peak_rss())
         record["trace_seconds"] = round(time.perf_counter() - record.pop("_started"), 2)
         _finish(record, result)
@@ -195,6 +199,24 @@ def _trace_hook(record: dict[str, Any], result: Path) -> Any:
     return Hook()
 
 
+def _idle_weights(model: Any) -> Any:
+    """A function giving the weights of every module the step did not run (a multimodal checkpoint's vision
+    tower when training on text): they sit in HBM, sharded like the rest, but are no argument of the step.
+    The LM head counts as run: the chunked loss reads its weight without calling it."""
+    ran: set[int] = set()
+    holders = [m for m in model.modules() if next(m.parameters(recurse=False), None) is not None]
+    for module in holders:
+        module.register_forward_hook(lambda m, args, out: ran.add(id(m)))
+    head = model.get_output_embeddings()
+
+    def idle() -> list[Any]:
+        used = {id(p) for m in holders if id(m) in ran for p in m.parameters(recurse=False)}
+        used |= {id(p) for p in (head.parameters() if head is not None else [])}
+        return list({id(p): p for p in model.parameters() if id(p) not in used}.values())
+
+    return idle
+
+
 def _trace(recipe: Recipe, runtime: Any, micro: int, record: dict[str, Any], result: Path) -> None:
     import torch
 
@@ -208,6 +230,7 @@ def _trace(recipe: Recipe, runtime: Any, micro: int, record: dict[str, Any], res
         lower_pallas_for_tpu()  # the kernel is TPU code in a trace that never runs
         install()
     model, record["placeholders"] = placeholder_model(recipe, runtime)
+    record["_idle"] = _idle_weights(model)
     # With accumulation the program traced is the first micro-batch's forward and backward: it takes
     # the model's placeholders only, while the optimizer state and master weights (``resident``) wait
     # in HBM for the optimizer's program after the last micro-batch.

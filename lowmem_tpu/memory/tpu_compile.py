@@ -59,6 +59,7 @@ class TpuCompile:
     # With accumulation: the optimizer state and master weights that stay in HBM beside the
     # micro-batch's program (which does not take them), by the shard rule and the TPU's tiles.
     resident: int = 0
+    idle: int = 0  # weights in HBM the step never reads (a multimodal checkpoint's vision tower on text)
     kernels: int = 0  # Pallas kernels (tpu_custom_call) in the traced program
     generated_code: int = 0
     cost: dict[str, float] = field(default_factory=dict)
@@ -70,10 +71,11 @@ class TpuCompile:
     @property
     def needed(self) -> int:
         """What the chip must hold at the step's peak: arguments + outputs - aliased + temporaries
-        (+ what stays resident beside a micro-batch's program)."""
+        (+ what stays resident beside a micro-batch's program, + weights the step never reads)."""
+        beside = self.resident + self.idle
         if self.refused is not None:
-            return self.refused.needed_bytes + self.resident
-        return self.arguments + self.outputs - self.aliased + self.temporaries + self.resident
+            return self.refused.needed_bytes + beside
+        return self.arguments + self.outputs - self.aliased + self.temporaries + beside
 
     @property
     def fits(self) -> bool:
@@ -107,6 +109,7 @@ class TracedStep:
     key: str  # the program, the target, libtpu and our compile step: equal keys compile alike
     kernels: int = 0  # Pallas kernels (tpu_custom_call) in the program
     resident: int = 0  # per chip: what stays in HBM beside the program without being its argument
+    idle: int = 0  # per chip: weights in HBM the step never reads (a vision tower when training on text)
 
 
 def trace_step(recipe: Recipe, device: Device, work: Path, timeout: float = 3600) -> TracedStep:
@@ -160,7 +163,9 @@ def trace_step(recipe: Recipe, device: Device, work: Path, timeout: float = 3600
         digest.update(with_libtpu_flags(os.environ.get("LIBTPU_INIT_ARGS", "")).encode())
     seconds = round(time.perf_counter() - started, 1)  # the whole trace, the subprocess's start included
     kernels = text.count('custom_call_target="tpu_custom_call"')
-    return TracedStep(request, seconds, traced.get("host_peak_rss_bytes", 0), digest.hexdigest(), kernels, resident)
+    idle = sum(tpu_shard_bytes(shape, size, recipe.sharding.strategy, n) for shape, size in traced.get("idle", []))
+    peak = traced.get("host_peak_rss_bytes", 0)
+    return TracedStep(request, seconds, peak, digest.hexdigest(), kernels, resident, idle)
 
 
 def compile_traced(traced: TracedStep, device: Device, work: Path, timeout: float = 3600) -> TpuCompile:
@@ -181,6 +186,7 @@ def compile_traced(traced: TracedStep, device: Device, work: Path, timeout: floa
         "placeholders": traced.request["placeholders"],
         "donated": compiled.get("donors", 0),
         "resident": traced.resident,
+        "idle": traced.idle,
     }
     if "error" in compiled:
         refused = out_of_memory(compiled["error"])

@@ -93,6 +93,8 @@ def format_compile(result: TpuCompile, planned_peak: int | None, cost: dict[str,
         ]
         if result.resident:
             rows.append(("optimizer state kept beside it", result.resident))
+        if result.idle:
+            rows.append(("weights the step never reads", result.idle))
         lines += [f"  {label:<44}{g(value):>11}" for label, value in rows]
         room = result.capacity - result.needed
         verdict = f"fits, {g(room)} free" if room >= 0 else f"does not fit, {g(-room)} short"

@@ -4,7 +4,7 @@ Under SPMD torch_xla cannot say either of the last two: its only device is the S
 device, for which ``xm.get_memory_info`` and ``xm.xla_device_kind`` both fail (torch_xla 2.9,
 ``PjRtComputationClient::GetMemoryInfo``: "MemoryInfo not supported for SPMD virtual device";
 ``GetDeviceKind`` -> ``StringToPjRtDevice("SPMD:0")``: "Unknown device SPMD:0"; the same two
-errors on the CPU backend, where tests/test_tpu_facts.py checks them). So:
+errors on the CPU backend, where tests/e2e/test_tpu_runtime.py checks them). So:
 
 - the chips come from the PCI bus (Google's vendor id and each generation's device id, the table
   ``tpu-info`` reads), with ``TPU_ACCELERATOR_TYPE`` as a fallback;

@@ -1,0 +1,178 @@
+"""The families people fine-tune, each against transformers itself: the base as ``from_pretrained`` loads it,
+LoRA on each family's own projections, the decoder layer that sharding wraps, and what the recipe and the
+planner refuse or offer per family (chunked attention against eager on the XLA devices: e2e/test_family_attention.py).
+The stand-ins (``stand_ins``, tests/conftest.py) are each family's config shrunk, with random weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from families import NAMES, WINDOW
+from transformers import AutoModelForCausalLM
+
+from lowmem_tpu.config import ModelSection, load_recipe
+from lowmem_tpu.config.schema import LORA_TARGETS
+from lowmem_tpu.errors import UserError
+from lowmem_tpu.model import build_base_model, layer_class
+from lowmem_tpu.model.architecture import check_model, lora_targets
+
+ALL = (*NAMES, "gemma3_multimodal")
+
+
+@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_base_equals_from_pretrained(stand_ins, name, dtype):
+    reference = AutoModelForCausalLM.from_pretrained(stand_ins[name], dtype=getattr(torch, dtype))
+    ours = build_base_model(ModelSection(name_or_path=str(stand_ins[name]), dtype=dtype))
+    assert type(ours) is type(reference)
+    expected = {**reference.state_dict(), **dict(reference.named_buffers())}
+    got = {**ours.state_dict(), **dict(ours.named_buffers())}
+    assert expected.keys() == got.keys()
+    different = [key for key in expected if not torch.equal(expected[key], got[key])]
+    assert not different, different
+    assert ours.generation_config.eos_token_id == reference.generation_config.eos_token_id
+
+
+def test_a_checkpoint_missing_a_weight_is_refused(stand_ins, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    source = stand_ins["gemma2"]
+    broken = tmp_path / "gemma2"
+    broken.mkdir()
+    for item in source.iterdir():
+        (broken / item.name).write_bytes(item.read_bytes())
+    tensors = load_file(source / "model.safetensors")
+    del tensors["model.embed_tokens.weight"]  # the LM head is tied to it: one parameter
+    save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(UserError, match=r"lacks weights for 1 parameters.*embed_tokens"):
+        build_base_model(ModelSection(name_or_path=str(broken), dtype="float32"))
+
+
+LAYERS = {
+    "llama3": "LlamaDecoderLayer",
+    "qwen2": "Qwen2DecoderLayer",
+    "qwen3": "Qwen3DecoderLayer",
+    "gemma2": "Gemma2DecoderLayer",
+    "gemma3": "Gemma3DecoderLayer",
+    "mistral": "MistralDecoderLayer",
+    "phi3": "Phi3DecoderLayer",
+    "phi4": "Phi3DecoderLayer",
+    "gemma3_multimodal": "Gemma3DecoderLayer",  # not SiglipEncoderLayer, which _no_split_modules also names
+}
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_the_wrapped_layer_is_the_text_decoders(stand_ins, name):
+    model = build_base_model(ModelSection(name_or_path=str(stand_ins[name]), dtype="float32"), weights="meta")
+    assert layer_class(model, None).__name__ == LAYERS[name]
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("llama3", "q_proj k_proj v_proj o_proj gate_proj up_proj down_proj"),
+        ("phi3", "qkv_proj o_proj gate_up_proj down_proj"),
+        ("phi4", "qkv_proj o_proj gate_up_proj down_proj"),
+    ],
+)
+def test_default_lora_targets_follow_the_projections(stand_ins, name, expected):
+    from lowmem_tpu.model import apply_lora
+
+    default = f"lora.target_modules=[{','.join(LORA_TARGETS)}]"  # the schema's default, what open_llama_lora lists
+    recipe = load_recipe(None, [f"model.name_or_path={stand_ins[name]}", default])
+    model = apply_lora(build_base_model(recipe.model, weights="random"), recipe)
+    adapted = {n.split(".")[-4] for n, _ in model.named_parameters() if "lora_A" in n}
+    assert adapted == set(expected.split())
+
+
+def test_lora_on_the_multimodal_gemma_adapts_the_text_decoder_only(stand_ins):
+    from lowmem_tpu.model import apply_lora
+
+    for targets in ("all-linear", "[q_proj,v_proj]"):
+        recipe = load_recipe(
+            None, [f"model.name_or_path={stand_ins['gemma3_multimodal']}", f"lora.target_modules={targets}"]
+        )
+        model = apply_lora(build_base_model(recipe.model, weights="random"), recipe)
+        adapted = [n for n, _ in model.named_parameters() if "lora_A" in n]
+        assert adapted and all(".language_model.layers." in n for n in adapted), targets
+
+
+def test_the_chunked_loss_is_refused_for_soft_capped_logits(stand_ins):
+    recipe = load_recipe(None, [f"model.name_or_path={stand_ins['gemma2']}", "train.chunked_loss=true"])
+    with pytest.raises(UserError, match=r"train.chunked_loss: gemma2 scales or soft-caps its logits"):
+        check_model(recipe)
+
+
+def test_a_target_that_matches_nothing_is_refused_by_validate(stand_ins):
+    recipe = load_recipe(None, [f"model.name_or_path={stand_ins['phi3']}", "lora.target_modules=[q_proj,o_proj]"])
+    with pytest.raises(
+        UserError, match=r"q_proj matches no module.*projections are o_proj, qkv_proj, gate_up_proj, down_proj"
+    ):
+        check_model(recipe)
+    assert lora_targets(build_base_model(recipe.model, weights="meta"), ["o_proj"]) == ["o_proj"]
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "mistral", "phi3"])
+def test_flash_is_refused_where_the_model_windows_or_caps_attention(stand_ins, name):
+    from lowmem_tpu.memory.advise import plan_recipe
+
+    overrides = [f"model.name_or_path={stand_ins[name]}", "model.attn_implementation=flash", "runtime.target=v5e-8"]
+    recipe = load_recipe(None, [*overrides, "runtime.device=tpu", "data.max_length=512"])
+    with pytest.raises(UserError, match=r"flash \(torch_xla's Pallas kernel\) has no sliding windows.*use chunked"):
+        check_model(recipe)
+    with pytest.raises(UserError, match=r"has no sliding windows"):
+        plan_recipe(recipe, "v5e-8")
+
+
+REAL_SIZE = {  # hidden, intermediate, layers, vocab: Gemma 2 9B, Mistral 7B, Qwen 2.5 7B, Llama 3.1 8B
+    "gemma2": (3584, 14336, 42, 256000),
+    "mistral": (4096, 14336, 32, 32000),
+    "qwen2": (3584, 18944, 28, 152064),
+    "llama3": (4096, 14336, 32, 128256),
+}
+
+
+@pytest.mark.parametrize(("name", "flash"), [("gemma2", False), ("mistral", False), ("qwen2", True), ("llama3", True)])
+def test_the_advisor_offers_flash_only_where_it_computes_the_model(tmp_path, name, flash):
+    import json
+
+    from families import family_config
+
+    from lowmem_tpu.memory.advise import plan_recipe
+
+    hidden, intermediate, layers, vocab = REAL_SIZE[name]
+    config = family_config(name) | {"hidden_size": hidden, "intermediate_size": intermediate}
+    config |= {"num_hidden_layers": layers, "vocab_size": vocab, "num_attention_heads": 32, "head_dim": 128}
+    config |= {"sliding_window": 4096} if config.get("sliding_window") == WINDOW else {}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    rows = ["data.max_length=8192", "train.global_batch_size=1", "runtime.num_cpu_devices=1", "runtime.target=v5e-1"]
+    rows += ["sharding.activation_checkpointing=false"]
+    recipe = load_recipe(None, [f"model.name_or_path={tmp_path}", "model.random_init=true", *rows])
+    overrides = [step.override for step in plan_recipe(recipe, "v5e-1").steps]
+    assert ("model.attn_implementation=flash" in overrides) is flash, overrides
+    if name == "gemma2":  # soft-capped logits: the chunked loss does not compute them
+        assert "train.chunked_loss=true" not in overrides, overrides
+
+
+def test_every_end_of_text_id_the_model_lists_is_kept(stand_ins):
+    from transformers import AutoTokenizer
+
+    from lowmem_tpu.config.assets import ASSETS
+    from lowmem_tpu.model import align_special_tokens
+
+    tokenizer = AutoTokenizer.from_pretrained(ASSETS / "tiny-llama")
+    model = build_base_model(ModelSection(name_or_path=str(stand_ins["llama3"]), dtype="float32"))
+    align_special_tokens(model, tokenizer)
+    assert tokenizer.eos_token_id == 2 and model.generation_config.eos_token_id == [2, 3, 4]
+    assert model.config.eos_token_id == [2, 3, 4]
+
+
+def test_the_planner_reads_gemmas_tied_head_and_phis_fused_projections(stand_ins):
+    from lowmem_tpu.memory.shape import require_config, setting_of, shape_of
+
+    for name, tied in (("gemma2", True), ("gemma3_multimodal", True), ("mistral", False)):
+        recipe = load_recipe(None, [f"model.name_or_path={stand_ins[name]}"])
+        assert shape_of(require_config(recipe)).tied is tied, name  # Gemma's config.json leaves it out
+    fused = "lora.target_modules=[qkv_proj,o_proj,gate_up_proj,down_proj]"
+    recipe = load_recipe(None, [f"model.name_or_path={stand_ins['phi3']}", fused])
+    assert set(setting_of(recipe, 4).targets) == set(LORA_TARGETS)

@@ -1,0 +1,27 @@
+"""The TPU-only paths' settings, checked without tracing: the flash length refused before anything is traced,
+libtpu's flags beside the user's (the kernels and steps traced and compiled for a TPU: e2e/test_tpu_only_paths.py).
+"""
+
+from __future__ import annotations
+
+from cli_runs import compiler_cli as cli
+from markers import needs_compiler
+
+TINY = "recipes/tiny_lora_cpu.yaml"
+pytestmark = needs_compiler
+
+
+def test_flash_at_a_length_its_backward_cannot_tile_is_refused_before_anything_is_traced():
+    flash = ["model.attn_implementation=flash", "data.max_length=768"]
+    done = cli("memory", TINY, "--compile", "--device", "v5e-8", *flash)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "768 cannot be tiled" in done.stderr and "512 or 1024" in done.stderr
+
+
+def test_libtpu_flags_are_added_after_the_users_and_never_override_them():
+    from lowmem_tpu.xla.runtime import LIBTPU_FLAGS, with_libtpu_flags
+
+    assert with_libtpu_flags("") == " ".join(LIBTPU_FLAGS)
+    assert with_libtpu_flags("--a=1") == " ".join(["--a=1", *LIBTPU_FLAGS])
+    mine = "--xla_tpu_spmd_rng_bit_generator_unsafe=false"
+    assert with_libtpu_flags(mine) == mine
