@@ -176,3 +176,21 @@ def test_the_planner_reads_gemmas_tied_head_and_phis_fused_projections(stand_ins
     fused = "lora.target_modules=[qkv_proj,o_proj,gate_up_proj,down_proj]"
     recipe = load_recipe(None, [f"model.name_or_path={stand_ins['phi3']}", fused])
     assert set(setting_of(recipe, 4).targets) == set(LORA_TARGETS)
+
+
+def test_the_vision_tower_is_counted_as_weights_a_text_step_never_reads(stand_ins):
+    """Gemma 3 4B+ trained as text: ``memory --compile`` counts the vision tower's weights beside the step's
+    program (in HBM, no argument of it); every weight the text forward reads is an argument."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from lowmem_tpu.memory.step import _idle_weights
+
+    model = AutoModelForCausalLM.from_pretrained(stand_ins["gemma3_multimodal"], dtype=torch.float32)
+    idle = _idle_weights(model)
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[2, 5, 9, 12]]))
+    names = {id(p): n for n, p in model.named_parameters()}
+    idle_names = {names[id(p)] for p in idle()}
+    outside_text = {n for n in names.values() if "vision_tower" in n or "multi_modal_projector" in n}
+    assert idle_names == outside_text and outside_text
