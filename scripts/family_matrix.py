@@ -111,7 +111,7 @@ def logits_gap(model: Path, adapter: Path, merged: Path, text: str) -> float:
 def family(name: str, work: Path, steps: int) -> dict:
     model = make_family(work / "model", name)  # with the family's tokenizer
     train = write_jsonl(work / "train.jsonl", conversations(0, 512))
-    evals = write_jsonl(work / "eval.jsonl", conversations(1, 24))
+    evals = write_jsonl(work / "eval.jsonl", conversations(1, 64))  # one batch at least: a partial one is dropped
     result: dict = {"family": name, "end_of_turn": END_OF_TURN.get(name)}
     started = time.perf_counter()
     checked(cli(*sft_args(model, train, evals, work / "lora", steps, "train.learning_rate=3e-3")), "sft lora")

@@ -100,6 +100,8 @@ def _score(recipe: Any, runtime: Any, trained: Any, rows: Any, prompts: list, mi
 def format_scores(directory: Path, result: dict[str, Any]) -> str:
     """The human summary of :func:`evaluate_directory`."""
     lines = [f"{directory} on {result['data']} ({result['rows']:,} rows)"]
+    if result.get("loss") is None:
+        lines.append("  loss            n/a: fewer rows than one batch (a partial batch is dropped: static shapes)")
     for key, label in (("loss", "loss"), ("perplexity", "perplexity"), ("token_accuracy", "token accuracy")):
         if result.get(key) is not None:
             lines.append(f"  {label:<16}{result[key]:.4f}")

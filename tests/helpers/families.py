@@ -216,10 +216,10 @@ def make_family(path: Path, name: str, seed: int = 0) -> Path:
     config = AutoConfig.from_pretrained(path)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():  # norms away from their init (ones or zeros), so a re-initialised one shows
+    with torch.no_grad():  # norms moved off their init (ones, or zeros for Gemma), so a re-initialised one shows
         for param in model.parameters():
             if param.dim() == 1:
-                param.normal_(0.0, 0.1)
+                param.add_(torch.randn_like(param) * 0.1)
     model.save_pretrained(path)
     (path / "config.json").write_text(json.dumps(raw, indent=2))  # as the Hub has it, defaults left out
     eos = raw.get("eos_token_id", raw.get("text_config", {}).get("eos_token_id"))
