@@ -32,10 +32,11 @@ BaseOpt = Annotated[
 ]
 
 
-def _session(directory: Path, **options: object):
+def _session(directory: Path, *flags: object):
+    """The session ``generate`` and ``chat`` decode with: their shared flags, in ``Options``' order."""
     from lowmem_tpu.infer.session import Options, Session
 
-    return Session(directory, Options(**options))  # type: ignore[arg-type]
+    return Session(directory, Options(*flags))  # type: ignore[arg-type]
 
 
 @app.command()
@@ -52,16 +53,7 @@ def generate(
     verbose: Annotated[bool, typer.Option("--verbose", help="Also print tokens/s and XLA graphs compiled.")] = False,
 ) -> None:
     """Complete one prompt with a trained model (formatted as its run trained it); prints only the completion."""
-    session = _session(
-        directory,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        seed=seed,
-        raw=raw,
-        device=device,
-        base=base,
-    )
+    session = _session(directory, max_new_tokens, temperature, top_p, seed, raw, device, base)
     text, result = session.complete(prompt)
     typer.echo(text)
     if verbose:
@@ -85,16 +77,7 @@ def chat(
     base: BaseOpt = None,
 ) -> None:
     """Talk to a trained model; the conversation is kept (a chat model sees it all). /reset, /exit."""
-    session = _session(
-        directory,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        seed=seed,
-        raw=raw,
-        device=device,
-        base=base,
-    )
+    session = _session(directory, max_new_tokens, temperature, top_p, seed, raw, device, base)
     fmt = session.prompt_format or "raw"
     memory = "the whole conversation" if fmt == "chat" else "each message on its own"
     typer.echo(f"{directory} ({fmt} prompts: the model sees {memory}). /reset starts over, /exit leaves.", err=True)

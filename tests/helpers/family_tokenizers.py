@@ -88,7 +88,15 @@ class Spec:
 
 
 QWEN_SPECIAL = {1: "<|endoftext|>", 2: "<|im_end|>", 3: "<|im_start|>"}
-GEMMA_SPECIAL = {0: "<pad>", 1: "<eos>", 2: "<bos>", 3: "<unk>"}
+
+
+def _gemma(start_of_turn: int) -> Spec:
+    """Gemma's sentencepiece vocabulary: pad, eos, bos, unk first; the turn markers where the version puts them."""
+    special = {0: "<pad>", 1: "<eos>", 2: "<bos>", 3: "<unk>"}
+    special |= {start_of_turn: "<start_of_turn>", start_of_turn + 1: "<end_of_turn>"}
+    return Spec(False, special, GEMMA, bos="<bos>", eos="<eos>", pad="<pad>", unk="<unk>", adds_bos=True)
+
+
 SPECS = {
     "llama3": Spec(
         True,
@@ -101,26 +109,8 @@ SPECS = {
     ),
     "qwen2": Spec(True, QWEN_SPECIAL, QWEN25, eos="<|im_end|>", pad="<|endoftext|>"),
     "qwen3": Spec(True, QWEN_SPECIAL, QWEN3, eos="<|im_end|>", pad="<|endoftext|>", plain=("<think>", "</think>")),
-    "gemma2": Spec(
-        False,
-        GEMMA_SPECIAL | {106: "<start_of_turn>", 107: "<end_of_turn>"},
-        GEMMA,
-        bos="<bos>",
-        eos="<eos>",
-        pad="<pad>",
-        unk="<unk>",
-        adds_bos=True,
-    ),
-    "gemma3": Spec(
-        False,
-        GEMMA_SPECIAL | {105: "<start_of_turn>", 106: "<end_of_turn>"},
-        GEMMA,
-        bos="<bos>",
-        eos="<eos>",
-        pad="<pad>",
-        unk="<unk>",
-        adds_bos=True,
-    ),
+    "gemma2": _gemma(start_of_turn=106),
+    "gemma3": _gemma(start_of_turn=105),
     "mistral": Spec(
         False, {0: "<unk>", 1: "<s>", 2: "</s>"}, MISTRAL, bos="<s>", eos="</s>", unk="<unk>", adds_bos=True
     ),
