@@ -1,6 +1,6 @@
 """Every model family's stand-in through the whole flow, by the CLI a user runs, on the CPU backend.
 
-    .venv/bin/python scripts/family_matrix.py [--only llama3 qwen3 ...] [--steps 100] [--out scripts/family_matrix.json]
+    .venv/bin/python scripts/family_matrix.py [--only llama3 qwen3 ...] [--steps 100] [--out scripts/results/family_matrix.json]
 
 For each family (``tests/helpers/families.py``: its config.json as the Hub has it, shrunk, random weights;
 ``tests/helpers/family_tokenizers.py``: its tokenizer kind, special tokens, EOS list and chat template):
@@ -174,7 +174,7 @@ def table(recorded: dict) -> str:
         lora, reply = r["lora"], r["generate"]
         modes = [("ok" if r[m]["exit"] == 0 else f"exit {r[m]['exit']}") for m in ("full", "int8", "int4")]
         rows.append(
-            f"| {name} | `{r['end_of_turn']!r}` | {lora['exact_match_before']} -> {lora['exact_match_after']} "
+            f"| {name} | `{r['end_of_turn']!r}` | {lora['exact_match_before']:.2f} -> {lora['exact_match_after']:.2f} "
             f"| {r['merge_max_logit_gap']:.1e} | {reply['reply']!r} ({reply['stopped']}) | {' | '.join(modes)} |"
         )
     return "\n".join(rows)
@@ -186,7 +186,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", nargs="*", default=None)
     parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--out", type=Path, default=ROOT / "scripts" / "family_matrix.json")
+    parser.add_argument("--out", type=Path, default=ROOT / "scripts" / "results" / "family_matrix.json")
     parser.add_argument("--table", action="store_true", help="print the table of --out and run nothing")
     args = parser.parse_args()
     recorded = json.loads(args.out.read_text()) if args.out.exists() else {}

@@ -1,8 +1,8 @@
 """The planner's TPU layout against the TPU compiler (libtpu's compile-only client), over a grid of levers.
 
     .venv/bin/python scripts/tpu_planner_grid.py [--models tiny,mini,w3b] [--devices v5e-8,v5e-1] [--only NAME ...]
-                                                [--json docs/tpu_planner_grid.json] [--keep DIR]
-    .venv/bin/python scripts/tpu_planner_grid.py --json docs/tpu_planner_grid.json --replan [--pivot]
+                                                [--json scripts/results/tpu_planner_grid.json] [--keep DIR]
+    .venv/bin/python scripts/tpu_planner_grid.py --json scripts/results/tpu_planner_grid.json --replan [--pivot]
 
 Each point is ``recipes/tiny_lora_cpu.yaml`` with overrides, its steady step traced with placeholders
 and compiled for the device (``lowmem-tpu memory --compile``), beside the planner's peak for the same
