@@ -1,6 +1,6 @@
 """Every model family's stand-in through the whole flow, by the CLI a user runs, on the CPU backend.
 
-    .venv/bin/python scripts/family_matrix.py [--only llama3 qwen3 ...] [--steps 100] [--out scripts/results/family_matrix.json]
+    .venv/bin/python scripts/family_matrix.py [--only llama3 qwen3 ...] [--steps 100] [--out FILE] [--table]
 
 For each family (``tests/helpers/families.py``: its config.json as the Hub has it, shrunk, random weights;
 ``tests/helpers/family_tokenizers.py``: its tokenizer kind, special tokens, EOS list and chat template):
