@@ -11,7 +11,9 @@ For each family (``tests/helpers/families.py``: its config.json as the Hub has i
    plain transformers and its logits compared with PEFT's base + adapter here;
 3. ``generate`` on a held-out prompt: the reply, and whether decoding stopped at an end id;
 4. ``eval`` of the adapter: the numbers ``sft`` reported after training;
-5. ``sft`` for a few steps with full fine-tuning, and LoRA on an int8 and on an int4 base.
+5. ``sft`` for a few steps with full fine-tuning, and LoRA on an int8 and on an int4 base;
+6. resume: 8 LoRA steps uninterrupted, and the same run stopped by SIGTERM after step 3 and run again
+   (``--resume-only`` runs this part alone).
 
 Writes the results as JSON (``--out``) and prints a table (``--table``: the table alone, from ``--out``).
 Takes about 2 minutes per family here.
@@ -95,6 +97,42 @@ def sft_args(model: Path, train: str, evals: str, out: Path, steps: int, *extra:
     ]
 
 
+def resume_check(model: Path, train: str, evals: str, work: Path) -> dict:
+    """8 LoRA steps uninterrupted; the same run stopped by SIGTERM after step 3, then the same command again:
+    the resumed run's losses and final adapter against the uninterrupted run's."""
+    import signal
+
+    from safetensors.torch import load_file
+
+    extra = ("train.save_steps=2", "train.logging_steps=1", "train.eval_samples=0")
+    whole = work / "whole"
+    checked(cli(*sft_args(model, train, evals, whole, 8, *extra)), "sft uninterrupted")
+    out = work / "stopped"
+    env = {k: v for k, v in os.environ.items() if k not in ("PJRT_DEVICE", "CPU_NUM_DEVICES")}
+    command = [sys.executable, "-m", "lowmem_tpu.cli", *sft_args(model, train, evals, out, 8, *extra)]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    for line in proc.stdout:
+        if line.startswith("step   3/"):
+            proc.send_signal(signal.SIGTERM)
+            break
+    proc.communicate(timeout=600)
+    checked(cli(*sft_args(model, train, evals, out, 8, *extra)), "sft resumed")
+
+    def losses(run: Path) -> dict[int, float]:
+        logged = json.loads((run / "final" / "metrics.json").read_text())["train"]["losses"]
+        return {e["step"]: e["loss"] for e in logged}
+
+    before, after = losses(whole), losses(out)
+    a = load_file(str(whole / "final" / "adapter_model.safetensors"))
+    b = load_file(str(out / "final" / "adapter_model.safetensors"))
+    return {
+        "stopped_with": proc.returncode,
+        "resumed_steps": sorted(after),
+        "max_loss_gap": max(abs(loss - before[step]) for step, loss in after.items()),
+        "max_adapter_gap": max(float((a[k] - b[k]).abs().max()) for k in a),
+    }
+
+
 def logits_gap(model: Path, adapter: Path, merged: Path, text: str) -> float:
     """Max |logit| difference between the merged model and PEFT's base + adapter, both in plain transformers."""
     import torch
@@ -164,15 +202,21 @@ def family(name: str, work: Path, steps: int) -> dict:
 def table(recorded: dict) -> str:
     """The results as a Markdown table."""
     rows = [
-        "| family | end of turn | exact match before -> after | merge gap | generate | full | int8 | int4 |",
-        "|---|---|---|---|---|---|---|---|",
+        "| family | end of turn | exact match before -> after | merge gap | generate | full | int8 | int4 | resume |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in recorded.items():
         if "error" in r:
-            rows.append(f"| {name} | error: {r['error'][:80]} | | | | | | |")
+            rows.append(f"| {name} | error: {r['error'][:80]} | | | | | | | |")
             continue
         lora, reply = r["lora"], r["generate"]
         modes = [("ok" if r[m]["exit"] == 0 else f"exit {r[m]['exit']}") for m in ("full", "int8", "int4")]
+        resume = r.get("resume")
+        if resume:
+            steps = resume["resumed_steps"]
+            modes.append(f"steps {steps[0]}-{steps[-1]} again, loss gap {resume['max_loss_gap']:.0e}")
+        else:
+            modes.append("not run")
         rows.append(
             f"| {name} | `{r['end_of_turn']!r}` | {lora['exact_match_before']:.2f} -> {lora['exact_match_after']:.2f} "
             f"| {r['merge_max_logit_gap']:.1e} | {reply['reply']!r} ({reply['stopped']}) | {' | '.join(modes)} |"
@@ -188,6 +232,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--out", type=Path, default=ROOT / "scripts" / "results" / "family_matrix.json")
     parser.add_argument("--table", action="store_true", help="print the table of --out and run nothing")
+    parser.add_argument("--resume-only", action="store_true", help="run only the resume check, into --out")
     args = parser.parse_args()
     recorded = json.loads(args.out.read_text()) if args.out.exists() else {}
     names = [] if args.table else [n for n in (*NAMES, "gemma3_multimodal") if args.only is None or n in args.only]
@@ -195,7 +240,15 @@ def main() -> int:
         print(f"[{name}]", file=sys.stderr, flush=True)
         with tempfile.TemporaryDirectory(prefix=f"lowmem-family-{name}-") as tmp:
             try:
-                recorded[name] = family(name, Path(tmp), args.steps)
+                if args.resume_only:
+                    model = make_family(Path(tmp) / "model", name)
+                    train = write_jsonl(Path(tmp) / "train.jsonl", conversations(0, 512))
+                    evals = write_jsonl(Path(tmp) / "eval.jsonl", conversations(1, 64))
+                    recorded[name] = recorded.get(name, {"family": name}) | {
+                        "resume": resume_check(model, train, evals, Path(tmp))
+                    }
+                else:
+                    recorded[name] = family(name, Path(tmp), args.steps)
             except RuntimeError as err:
                 recorded[name] = {"family": name, "error": str(err)}
         print(json.dumps(recorded[name])[:600], file=sys.stderr, flush=True)
