@@ -48,7 +48,7 @@ def common_prefix(a: Any, b: Any) -> int:
 
 def locate(tokenizer: Any, messages: list[dict[str, Any]], whole: str, index: int, where: str) -> Turn:
     """Where assistant message ``index`` lies in ``whole``, the rendered conversation that contains it."""
-    prompt = render(tokenizer, messages[:index], True, where)
+    prompt = render(tokenizer, messages[:index], True, where) if index else ""  # a template may refuse no messages
     start = common_prefix(prompt, whole)
     content = str(messages[index].get("content") or "").strip()
     at = whole.find(content, start) if content else -1
@@ -58,7 +58,7 @@ def locate(tokenizer: Any, messages: list[dict[str, Any]], whole: str, index: in
             "as it is, so the turn cannot be located; fix the record, or set data.mask_prompt: false to train "
             "on every token"
         )
-    if start < len(prompt):  # the template renders earlier turns differently here: train the content on
+    if start < len(prompt) or not index:  # earlier turns rendered differently here, or none: train the content on
         start = at
     content_end = at + len(content)
     alone = render(tokenizer, messages[: index + 1], False, where)

@@ -386,3 +386,11 @@ def test_collate(tok):
     for tensor in batch.values():
         assert tensor.dtype == torch.long and tensor.shape == (4, 24)
     assert torch.equal(batch["input_ids"][2], torch.tensor(dataset[2]["input_ids"]))
+
+
+def test_a_conversation_that_opens_with_the_assistant_trains_that_turn_from_its_content(tmp_path):
+    tokenizer = make_tokenizer()
+    opening = {"messages": [{"role": "assistant", "content": "hi"}, *chat("a", "b")["messages"]]}
+    path = write_jsonl(tmp_path / "c.jsonl", [opening])
+    dataset, _ = build_dataset(DataSection(path=str(path), max_length=24), tokenizer)
+    assert trained_text(tokenizer, dataset[0]) == "hi</s>b</s>"
