@@ -109,6 +109,7 @@ def resume_check(model: Path, train: str, evals: str, work: Path) -> dict:
     checked(cli(*sft_args(model, train, evals, whole, 8, *extra)), "sft uninterrupted")
     out = work / "stopped"
     env = {k: v for k, v in os.environ.items() if k not in ("PJRT_DEVICE", "CPU_NUM_DEVICES")}
+    env["PYTHONUNBUFFERED"] = "1"  # each step's line as it is printed: the signal lands mid-run
     command = [sys.executable, "-m", "lowmem_tpu.cli", *sft_args(model, train, evals, out, 8, *extra)]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
     for line in proc.stdout:
@@ -212,7 +213,9 @@ def table(recorded: dict) -> str:
         lora, reply = r["lora"], r["generate"]
         modes = [("ok" if r[m]["exit"] == 0 else f"exit {r[m]['exit']}") for m in ("full", "int8", "int4")]
         resume = r.get("resume")
-        if resume:
+        if resume and "error" in resume:
+            modes.append(f"error: {resume['error'][:60]}")
+        elif resume:
             steps = resume["resumed_steps"]
             modes.append(f"steps {steps[0]}-{steps[-1]} again, loss gap {resume['max_loss_gap']:.0e}")
         else:
@@ -239,18 +242,20 @@ def main() -> int:
     for name in names:
         print(f"[{name}]", file=sys.stderr, flush=True)
         with tempfile.TemporaryDirectory(prefix=f"lowmem-family-{name}-") as tmp:
-            try:
-                if args.resume_only:
-                    model = make_family(Path(tmp) / "model", name)
-                    train = write_jsonl(Path(tmp) / "train.jsonl", conversations(0, 512))
-                    evals = write_jsonl(Path(tmp) / "eval.jsonl", conversations(1, 64))
-                    recorded[name] = recorded.get(name, {"family": name}) | {
-                        "resume": resume_check(model, train, evals, Path(tmp))
-                    }
-                else:
+            if args.resume_only:
+                model = make_family(Path(tmp) / "model", name)
+                train = write_jsonl(Path(tmp) / "train.jsonl", conversations(0, 512))
+                evals = write_jsonl(Path(tmp) / "eval.jsonl", conversations(1, 64))
+                try:
+                    resume = resume_check(model, train, evals, Path(tmp))
+                except RuntimeError as err:
+                    resume = {"error": str(err)}
+                recorded[name] = recorded.get(name, {"family": name}) | {"resume": resume}
+            else:
+                try:
                     recorded[name] = family(name, Path(tmp), args.steps)
-            except RuntimeError as err:
-                recorded[name] = {"family": name, "error": str(err)}
+                except RuntimeError as err:
+                    recorded[name] = {"family": name, "error": str(err)}
         print(json.dumps(recorded[name])[:600], file=sys.stderr, flush=True)
         args.out.write_text(json.dumps(recorded, indent=2) + "\n")
     print(table(recorded))
