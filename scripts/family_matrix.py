@@ -113,7 +113,7 @@ def resume_check(model: Path, train: str, evals: str, work: Path) -> dict:
     command = [sys.executable, "-m", "lowmem_tpu.cli", *sft_args(model, train, evals, out, 8, *extra)]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
     for line in proc.stdout:
-        if line.startswith("step   3/"):
+        if line.startswith("step 3/8"):
             proc.send_signal(signal.SIGTERM)
             break
     proc.communicate(timeout=600)

@@ -194,3 +194,22 @@ def test_the_vision_tower_is_counted_as_weights_a_text_step_never_reads(stand_in
     idle_names = {names[id(p)] for p in idle()}
     outside_text = {n for n in names.values() if "vision_tower" in n or "multi_modal_projector" in n}
     assert idle_names == outside_text and outside_text
+
+
+def test_the_adapters_are_drawn_from_the_recipes_seed_on_a_loaded_base(stand_ins):
+    """A base read from a checkpoint consumes no randomness: without a seed of their own, LoRA's A matrices
+    would differ between two runs of one recipe, between the hosts of a pod slice, and after a resume."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from lowmem_tpu.config import load_recipe
+    from lowmem_tpu.model import apply_lora
+
+    recipe = load_recipe("recipes/tiny_lora_cpu.yaml", [f"model.name_or_path={stand_ins['llama3']}"])
+    drawn = []
+    for noise in (1, 2):
+        torch.manual_seed(noise)  # whatever ran before
+        base = AutoModelForCausalLM.from_pretrained(stand_ins["llama3"], dtype=torch.float32)
+        adapters = apply_lora(base, recipe).state_dict()
+        drawn.append({k: v for k, v in adapters.items() if "lora_A" in k})
+    assert drawn[0] and all(torch.equal(drawn[0][k], drawn[1][k]) for k in drawn[0])
