@@ -107,14 +107,17 @@ def build_base_model(cfg: ModelSection, seed: int = 0, weights: Weights | None =
     after it is saved as the adapter's base) or ``meta`` (no memory; the caller materializes it).
     The default is ``random`` when ``model.random_init`` is set, else ``checkpoint``.
     """
+    import torch
+
+    # Seeded whatever the weights: what is drawn next (LoRA's A matrices) is the same on every host of a pod
+    # slice, in every run of the recipe, and again on resume; a checkpoint's base draws nothing itself.
+    torch.manual_seed(seed)
     weights = weights or ("random" if cfg.random_init else "checkpoint")
     if weights == "meta":
         return meta_model(load_config(cfg, offline=True) or load_config(cfg), cfg)
     if weights == "random":
-        import torch
         from transformers import AutoModelForCausalLM
 
-        torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(
             load_config(cfg), dtype=torch_dtype(cfg.dtype), attn_implementation=attention_name(cfg)
         )

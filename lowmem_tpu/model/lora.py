@@ -25,9 +25,6 @@ def apply_lora(model: Any, recipe: Recipe) -> Any:
         bias="none",
         task_type="CAUSAL_LM",
     )
-    import torch
-
-    torch.manual_seed(recipe.train.seed)  # the adapters' draw: the same run on every host, and again on resume
     try:
         return get_peft_model(model, config)
     except ValueError as err:

@@ -197,19 +197,18 @@ def test_the_vision_tower_is_counted_as_weights_a_text_step_never_reads(stand_in
 
 
 def test_the_adapters_are_drawn_from_the_recipes_seed_on_a_loaded_base(stand_ins):
-    """A base read from a checkpoint consumes no randomness: without a seed of their own, LoRA's A matrices
-    would differ between two runs of one recipe, between the hosts of a pod slice, and after a resume."""
+    """A base read from a checkpoint draws nothing: unless the builder seeds, LoRA's A matrices would differ
+    between two runs of one recipe, between the hosts of a pod slice, and after a resume."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     from lowmem_tpu.config import load_recipe
-    from lowmem_tpu.model import apply_lora
+    from lowmem_tpu.model import apply_lora, build_base_model
 
     recipe = load_recipe("recipes/tiny_lora_cpu.yaml", [f"model.name_or_path={stand_ins['llama3']}"])
+    model = recipe.model.model_copy(update={"random_init": False})
     drawn = []
     for noise in (1, 2):
         torch.manual_seed(noise)  # whatever ran before
-        base = AutoModelForCausalLM.from_pretrained(stand_ins["llama3"], dtype=torch.float32)
-        adapters = apply_lora(base, recipe).state_dict()
+        adapters = apply_lora(build_base_model(model, recipe.train.seed), recipe).state_dict()
         drawn.append({k: v for k, v in adapters.items() if "lora_A" in k})
     assert drawn[0] and all(torch.equal(drawn[0][k], drawn[1][k]) for k in drawn[0])
