@@ -121,7 +121,7 @@ def check_tpu_compiler(timeout: float = 300) -> Check:
         return Check("TPU compiler", "skip", "not installed: `memory --compile` is unavailable", fix)
     with tempfile.TemporaryDirectory(prefix="lowmem-doctor-probe-") as tmp:
         result = Path(tmp) / "probe.json"
-        command = [sys.executable, "-m", "lowmem_tpu.xla.tpu_compiler", "--probe", str(result)]
+        command = [sys.executable, "-m", "lowmem_tpu.measure.libtpu", "--probe", str(result)]
         env = os.environ | {"TF_CPP_MIN_LOG_LEVEL": "3"}
         try:
             done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)

@@ -12,12 +12,23 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lowmem_tpu import faults, hosts
 from lowmem_tpu.config import Recipe, micro_batch_size
 from lowmem_tpu.console import say
 from lowmem_tpu.errors import UserError
+
+if TYPE_CHECKING:  # the types of a run's state, imported when the run builds it
+    import torch
+    from transformers import PreTrainedTokenizerBase
+
+    from lowmem_tpu.memory.plan import Plan
+    from lowmem_tpu.model.names import ParamNames
+    from lowmem_tpu.train.guard import GuardCallback
+    from lowmem_tpu.train.metrics import MetricsCallback
+    from lowmem_tpu.train.trainer import XlaSFTTrainer
+    from lowmem_tpu.xla.runtime import Runtime
 
 
 def prepare_output(recipe: Recipe, overwrite: bool) -> Path:
@@ -32,59 +43,34 @@ def prepare_output(recipe: Recipe, overwrite: bool) -> Path:
     return out
 
 
-@dataclass
+@dataclass(kw_only=True)
 class SftRun:
     """What a finished run leaves: its metrics, its output, and the live (sharded) model."""
 
     metrics: dict[str, Any]
-    final_dir: Path
-    trainer: Any  # XlaSFTTrainer; ``trainer.fsdp_model`` is the trained, wrapped model
-    names: Any  # model.names.ParamNames of the unwrapped model
+    final_dir: Path | None  # final/, or the checkpoint a stopped run saved (None if it saved none)
+    trainer: XlaSFTTrainer  # ``trainer.fsdp_model`` is the trained, wrapped model
+    names: ParamNames  # of the unwrapped model
     stopped: str | None = None  # "SIGTERM", "SIGINT" or "max_wall_time" when it saved and stopped early
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class Job:
     """One run's live state, from the built model to the trainer that trains it."""
 
-    model: Any  # the unwrapped (PEFT) model; its parameters live sharded on the devices
-    names: Any  # model.names.ParamNames, taken before wrapping
-    trainer: Any  # train.trainer.XlaSFTTrainer
-    metrics: Any  # train.metrics.MetricsCallback
-    guard: Any  # train.guard.GuardCallback
+    model: torch.nn.Module  # the unwrapped (PEFT) model; its parameters live sharded on the devices
+    names: ParamNames  # taken before wrapping
+    trainer: XlaSFTTrainer
+    metrics: MetricsCallback
+    guard: GuardCallback
     base: str  # where the adapter's base lives (recorded in adapter_config.json)
-    trainable: int
-    total: int
+    trainable: int  # trainable parameters
+    total: int  # all parameters
     micro: int  # samples per forward pass over all devices
-    runtime: Any  # xla.runtime.Runtime
-    tokenizer: Any
+    runtime: Runtime
+    tokenizer: PreTrainedTokenizerBase
     flops_per_token: float
-    plan: Any  # memory.plan.Plan of this run on its devices (None for an architecture the planner lacks)
-
-
-def find_resume(recipe: Recipe, out: Path, force: bool) -> Path | None:
-    """The checkpoint this run continues from, after cleaning up half-written ones."""
-    from lowmem_tpu.train import checkpoint as ckpt
-
-    for stale in ckpt.remove_incomplete(out) if hosts.is_main() else []:
-        say(f"removed an incomplete checkpoint: {stale}")
-    hosts.barrier()
-    resume, warnings = ckpt.resolve_resume(recipe.train.resume, out)
-    for warning in warnings:
-        say(warning)
-    if resume is None:
-        return None
-    changes = ckpt.recipe_changes(resume, recipe.model_dump(mode="json"))
-    if changes and not force:
-        raise UserError(
-            [
-                f"train.resume: {resume} was trained with a different recipe:",
-                *(f"  {c}" for c in changes),
-                "resume with the same settings, set train.resume=never (start over), or pass --force-resume",
-            ]
-        )
-    say(f"resuming from {resume}" + (f" despite {len(changes)} changed settings" if changes else ""))
-    return resume
+    plan: Plan | None  # this run on its devices (None for an architecture the planner lacks)
 
 
 def run_sft(recipe: Recipe, overwrite: bool = False, force_resume: bool = False) -> SftRun:
@@ -113,22 +99,16 @@ def run_sft(recipe: Recipe, overwrite: bool = False, force_resume: bool = False)
 
 
 def _run_sft(recipe: Recipe, runtime: Any, overwrite: bool, force_resume: bool, started: float) -> SftRun:
-    from lowmem_tpu.train.metrics import check_reporters
-    from lowmem_tpu.xla.extras import require_scan_extra
+    from lowmem_tpu.preflight import preflight
+    from lowmem_tpu.train import checkpoint as ckpt
 
-    check_reporters(recipe.train.reporters)  # a missing integration fails now, not after loading
-    require_scan_extra(recipe.sharding.scan_layers)  # before anything is written
+    # Before anything is written or loaded: what this machine must have for the run (a missing package,
+    # a Hub token that cannot push, a layer class the model lacks fails now, not after training).
+    summary = preflight(recipe, platform=True, reporters=True, scan="importable", hub=True, model=True)
     out = prepare_output(recipe, overwrite)
     hosts.check_shared(out)
-    if recipe.hub.push:
-        from lowmem_tpu.publish.hub import check_push_ready
-
-        check_push_ready(recipe)  # a missing, rejected or read-only token fails now, not after training
-
-    from lowmem_tpu.model import check_model
-
-    say(f"checking the recipe: {check_model(recipe)}")
-    resume = find_resume(recipe, out, force_resume)
+    say(f"checking the recipe: {summary}")
+    resume = ckpt.find_resume(recipe, out, force_resume)
     say("loading tokenizer and data")
     tokenizer = _tokenizer(recipe)
     train_ds, data_stats, eval_ds, prompts = _data(recipe, tokenizer, out)
@@ -136,7 +116,7 @@ def _run_sft(recipe: Recipe, runtime: Any, overwrite: bool, force_resume: bool, 
     micro = micro_batch_size(recipe, runtime.num_devices)
     say(f"runtime: {runtime.describe()}, micro-batch {micro}")
     job = _build(recipe, runtime, tokenizer, train_ds, eval_ds, micro, out)
-    _check_room(recipe, job, out)
+    ckpt.check_run_room(recipe, job.model, out)
 
     if resume and (eval_ds is not None or prompts):
         # trainer.train() loads the checkpoint only once it starts: load it now, so the evaluation
@@ -153,7 +133,7 @@ def _run_sft(recipe: Recipe, runtime: Any, overwrite: bool, force_resume: bool, 
             f"stopped at step {job.trainer.state.global_step} ({job.guard.stop_reason}); checkpoint saved in {where}. "
             "Run the same command again to resume (train.resume: auto)."
         )
-        return SftRun({}, where, job.trainer, job.names, stopped=job.guard.stop_reason)
+        return SftRun(metrics={}, final_dir=where, trainer=job.trainer, names=job.names, stopped=job.guard.stop_reason)
     after = _evaluate(job, prompts, "after training")
 
     from lowmem_tpu.memory.record import memory_record
@@ -169,7 +149,7 @@ def _run_sft(recipe: Recipe, runtime: Any, overwrite: bool, force_resume: bool, 
     final = _save(recipe, job, tokenizer, out, metrics, started)
     hosts.leave()  # the hosts' work together ends with final/; host 0 alone reports and pushes
     if not hosts.is_main():
-        return SftRun(metrics, final, job.trainer, job.names)
+        return SftRun(metrics=metrics, final_dir=final, trainer=job.trainer, names=job.names)
     from lowmem_tpu.train.plot import plot_finished_run
 
     say(plot_finished_run(out, final))  # final/loss.png; a failed picture is one line, never a failed run
@@ -178,7 +158,7 @@ def _run_sft(recipe: Recipe, runtime: Any, overwrite: bool, force_resume: bool, 
         from lowmem_tpu.publish.hub import push_after_training
 
         say(f"pushed {final} to {recipe.hub.repo_id}: {push_after_training(final, recipe)}")
-    return SftRun(metrics, final, job.trainer, job.names)
+    return SftRun(metrics=metrics, final_dir=final, trainer=job.trainer, names=job.names)
 
 
 def _tokenizer(recipe: Recipe) -> Any:
@@ -224,20 +204,6 @@ def _data(recipe: Recipe, tokenizer: Any, out: Path) -> tuple[Any, dict[str, Any
         if recipe.train.eval_samples:
             prompts = data.exact_match_prompts(recipe.data, tokenizer, None, recipe.train.eval_samples)
     return train_ds, stats, eval_ds, prompts
-
-
-def _check_room(recipe: Recipe, job: Job, out: Path) -> None:
-    """Before training: room on the output disk for the checkpoints that will coexist and for ``final/``."""
-    from lowmem_tpu.config.schema import uses_master_weights
-    from lowmem_tpu.console import size
-    from lowmem_tpu.train import checkpoint as ckpt
-
-    t = recipe.train
-    one, final = ckpt.state_bytes(job.model, t.optimizer, uses_master_weights(recipe), recipe.lora.enabled)
-    saves = max(0, t.keep_last + 1 - len(ckpt.complete_checkpoints(out))) if t.save_steps else 0
-    what = f"this run ({saves} more checkpoint(s) of {size(one)} and final/ of {size(final)})"
-    if hosts.is_main():
-        ckpt.check_room(out, saves * (one + ckpt.SAVE_MARGIN) + final, what)
 
 
 def _host_0_first(build: Any) -> Any:
@@ -311,8 +277,21 @@ def _build(recipe: Recipe, runtime, tokenizer, train_ds, eval_ds, micro: int, ou
         planned_bytes=plan.peak if plan else None,
         base_reference=base,
     )
-    parts = (model, trainer.names, trainer, metrics, guard, base, trainable, total, micro, runtime, tokenizer, flops)
-    return Job(*parts, plan)
+    return Job(
+        model=model,
+        names=trainer.names,
+        trainer=trainer,
+        metrics=metrics,
+        guard=guard,
+        base=base,
+        trainable=trainable,
+        total=total,
+        micro=micro,
+        runtime=runtime,
+        tokenizer=tokenizer,
+        flops_per_token=flops,
+        plan=plan,
+    )
 
 
 def _base_reference(recipe: Recipe, model, tokenizer, out: Path) -> str:
@@ -324,10 +303,10 @@ def _base_reference(recipe: Recipe, model, tokenizer, out: Path) -> str:
         return str(Path(source).expanduser().resolve()) if Path(source).expanduser().exists() else source
     base = out / "base"
     if recipe.lora.enabled and hosts.is_main():  # the model is still on the host here, whole on every host
-        from lowmem_tpu.train.checkpoint import check_room
+        from lowmem_tpu.preflight import preflight
 
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
-        check_room(out, weights + 2**20, "the random-init base saved beside the adapter")
+        preflight(recipe, room=(weights + 2**20, "the random-init base saved beside the adapter"))
         model.save_pretrained(base)
         faults.point("base")
         save_tokenizer(tokenizer, base)

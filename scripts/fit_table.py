@@ -20,6 +20,7 @@ sys.path.insert(0, str(ROOT))
 
 from lowmem_tpu.config import load_recipe  # noqa: E402
 from lowmem_tpu.memory.advise import plan_recipe  # noqa: E402
+from lowmem_tpu.model.loading import require_config  # noqa: E402
 
 LEVERS = ["model.attn_implementation=flash", "train.chunked_loss=true"]
 ROWS = {  # name -> (recipe, overrides)
@@ -32,7 +33,7 @@ ROWS = {  # name -> (recipe, overrides)
 
 def plan(recipe: str, overrides: list[str]) -> dict:
     loaded = load_recipe(ROOT / "recipes" / recipe, [*overrides, "runtime.device=tpu"])
-    report = plan_recipe(loaded, loaded.runtime.target)
+    report = plan_recipe(loaded, loaded.runtime.target, require_config(loaded))
     p = report.plan
     fit = next((i for i, s in enumerate(report.steps) if s.plan.fits), None)
     chain = None if fit is None else report.steps[: fit + 1]

@@ -28,8 +28,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from lowmem_tpu.config import load_recipe  # noqa: E402
+from lowmem_tpu.measure.local import compile_step  # noqa: E402
 from lowmem_tpu.memory.advise import plan_recipe  # noqa: E402
-from lowmem_tpu.memory.measure import compile_step  # noqa: E402
+from lowmem_tpu.model.loading import require_config  # noqa: E402
 
 LLAMA_162M = {
     "architectures": ["LlamaForCausalLM"],
@@ -97,7 +98,7 @@ def plan_point(row: dict, model_dir: Path) -> dict:
     """Add the planner's figures (CPU-backend layout) and the errors to a measured row."""
     quantize = row.get("quantize", "none")
     recipe = point_recipe(row["model"], row["mode"], row["checkpointing"], row["devices"], model_dir, quantize)
-    plan = plan_recipe(recipe, "cpu").plan
+    plan = plan_recipe(recipe, "cpu", require_config(recipe)).plan
     return row | {
         "quantize": quantize,
         "planned_peak": plan.peak,

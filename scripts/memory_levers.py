@@ -22,9 +22,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from lowmem_tpu.config import load_recipe  # noqa: E402
-from lowmem_tpu.memory.measure import compile_step  # noqa: E402
+from lowmem_tpu.measure.local import compile_step  # noqa: E402
 from lowmem_tpu.memory.plan import plan_setting  # noqa: E402
-from lowmem_tpu.memory.shape import require_config, setting_of, shape_of  # noqa: E402
+from lowmem_tpu.memory.shape import setting_of, shape_of  # noqa: E402
+from lowmem_tpu.model.loading import require_config  # noqa: E402
 
 OFF = "sharding.activation_checkpointing=false"
 CHUNKED = ["model.attn_implementation=chunked"]

@@ -27,7 +27,8 @@ from lowmem_tpu.config import load_recipe  # noqa: E402
 from lowmem_tpu.config.devices import DEVICES, GiB  # noqa: E402
 from lowmem_tpu.memory.advise import plan_json  # noqa: E402
 from lowmem_tpu.memory.plan import plan_setting  # noqa: E402
-from lowmem_tpu.memory.shape import require_config, setting_of, shape_of  # noqa: E402
+from lowmem_tpu.memory.shape import setting_of, shape_of  # noqa: E402
+from lowmem_tpu.model.loading import require_config  # noqa: E402
 
 SEVEN_B = "openlm-research/open_llama_7b_v2"
 POINTS = [  # (label, device, overrides of recipes/open_llama_lora.yaml)

@@ -18,7 +18,7 @@ import json
 import re
 from pathlib import Path
 
-from lowmem_tpu.memory.compiler import hbm_allocations
+from lowmem_tpu.measure.buffers import hbm_allocations
 
 MiB = 2**20
 SLOT = 16 * 1024  # the arena spacing of tuple tables (libtpu 0.0.21, v5e), read off their offsets

@@ -26,16 +26,16 @@ from lowmem_tpu.config import Recipe, load_recipe
 from lowmem_tpu.config.shipped import describe_shipped
 from lowmem_tpu.console import size
 from lowmem_tpu.errors import UserError
-from lowmem_tpu.memory.tpu_compile import (
+from lowmem_tpu.measure.tpu_compile import (
     CompileTooLong,
     HostMemoryExhausted,
     cleanup_on_sigterm,
-    compile_beside_plan,
     compile_target,
     compile_traced,
     trace_step,
 )
-from lowmem_tpu.memory.tpu_layers import LAYERS, WHOLE_LIMIT, compile_points, extrapolate, layers_of
+from lowmem_tpu.measure.tpu_layers import LAYERS, WHOLE_LIMIT, compile_points, extrapolate, layers_of
+from lowmem_tpu.measure.tpu_report import compile_beside_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_TARGETS = ("v5e-8", "v5e-1")
@@ -170,8 +170,9 @@ def _replanned(recipe: Recipe, device: str, recorded: dict) -> dict:
     if recorded.get("blocked") or not recorded.get("needed"):
         return {}
     from lowmem_tpu.memory.advise import plan_recipe
+    from lowmem_tpu.model.loading import require_config
 
-    planned = plan_recipe(recipe, device).plan.peak
+    planned = plan_recipe(recipe, device, require_config(recipe)).plan.peak
     return {"planned_peak": planned, "plan_error": (planned - recorded["needed"]) / recorded["needed"]}
 
 

@@ -23,11 +23,12 @@ from pathlib import Path
 
 from lowmem_tpu.config import load_recipe
 from lowmem_tpu.config.devices import DEVICES
-from lowmem_tpu.memory.compiler import live_at_peak, optimized_hlo
-from lowmem_tpu.memory.shape import require_config, setting_of, shape_of
-from lowmem_tpu.memory.tpu_compile import buffer_assignment, compile_recipe, compile_target
-from lowmem_tpu.memory.tpu_layers import cut
+from lowmem_tpu.measure.buffers import live_at_peak, optimized_hlo
+from lowmem_tpu.measure.tpu_compile import buffer_assignment, compile_recipe, compile_target
+from lowmem_tpu.measure.tpu_layers import cut
+from lowmem_tpu.memory.shape import setting_of, shape_of
 from lowmem_tpu.memory.tpu_layout import dequantized, kept
+from lowmem_tpu.model.loading import require_config
 
 LAYERS = (2, 4)
 MIB = 2**20

@@ -25,8 +25,9 @@ from pathlib import Path
 from lowmem_tpu.config import load_recipe
 from lowmem_tpu.config.devices import DEVICES
 from lowmem_tpu.errors import UserError
+from lowmem_tpu.measure.tpu_compile import compile_recipe
 from lowmem_tpu.memory.advise import plan_recipe
-from lowmem_tpu.memory.tpu_compile import compile_recipe
+from lowmem_tpu.model.loading import require_config
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "lowmem_tpu" / "configs"
@@ -66,7 +67,7 @@ def point(recipe_name: str, overrides: list[str], device: str, models: Path) -> 
     env = [o.split("=", 1)[1] for o in overrides if o.startswith("LIBTPU_INIT_ARGS=")]
     overrides = [o for o in overrides if not o.startswith("LIBTPU_INIT_ARGS=")]
     recipe = load_recipe(str(ROOT / "recipes" / f"{recipe_name}.yaml"), [*common, *overrides])
-    planned = plan_recipe(recipe, device).plan.peak
+    planned = plan_recipe(recipe, device, require_config(recipe)).plan.peak
     os.environ["LIBTPU_INIT_ARGS"] = " ".join(env)  # the compiler's subprocess starts with it
     compiled = compile_recipe(recipe, DEVICES[device])
     return {

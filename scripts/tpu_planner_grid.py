@@ -29,8 +29,9 @@ from memory_levers import MINI  # Open Llama 3B's proportions at 4 layers of hid
 from lowmem_tpu.config import Recipe, load_recipe
 from lowmem_tpu.config.devices import DEVICES
 from lowmem_tpu.errors import UserError
+from lowmem_tpu.measure.tpu_compile import compile_recipe
 from lowmem_tpu.memory.advise import plan_recipe
-from lowmem_tpu.memory.tpu_compile import compile_recipe
+from lowmem_tpu.model.loading import require_config
 
 ROOT = Path(__file__).resolve().parents[1]
 # Every point trains bf16 weights as a TPU run does (the tiny recipe is fp32 for the CPU backend).
@@ -79,7 +80,8 @@ def recipe_of(model: str, device: str, overrides: list[str], models: dict[str, P
 
 def planned(row: dict, models: dict[str, Path]) -> dict:
     """The planner's peak for a row's recipe, from the planner as it is now, and its error against the compiler."""
-    peak = plan_recipe(recipe_of(row["model"], row["device"], row["overrides"], models), row["device"]).plan.peak
+    recipe = recipe_of(row["model"], row["device"], row["overrides"], models)
+    peak = plan_recipe(recipe, row["device"], require_config(recipe)).plan.peak
     return row | {"planned": peak, "error": (peak - row["compiled"]) / row["compiled"]}
 
 

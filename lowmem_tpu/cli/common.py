@@ -13,13 +13,18 @@ from lowmem_tpu.errors import UserError
 
 
 class Commands(TyperGroup):
-    """The command group: a UserError from any command ends it the one way (:func:`fail`: exit 2, no traceback)."""
+    """The command group: the one place a UserError from any command ends it (its problems on stderr, exit 2,
+    no traceback); commands raise it, never exit 2 themselves."""
 
     def invoke(self, ctx: typer.Context) -> object:
         try:
             return super().invoke(ctx)
         except UserError as err:
-            fail(err)
+            problems = err.problems
+            typer.echo("error: invalid input:" if len(problems) > 1 else "error:", err=True, nl=len(problems) > 1)
+            for problem in problems:
+                typer.echo(f"  {problem}" if len(problems) > 1 else f" {problem}", err=True)
+            raise typer.Exit(2) from None
 
 
 app = typer.Typer(
@@ -47,14 +52,6 @@ def _split_args(recipe: str | None, overrides: list[str] | None) -> tuple[str | 
     if recipe is not None and "=" in recipe and not Path(recipe).exists():
         return None, [recipe, *overrides]
     return recipe, overrides
-
-
-def fail(err: UserError) -> None:
-    """Print a UserError's problems on stderr and exit 2 (no traceback)."""
-    typer.echo("error: invalid input:" if len(err.problems) > 1 else "error:", err=True, nl=len(err.problems) > 1)
-    for problem in err.problems:
-        typer.echo(f"  {problem}" if len(err.problems) > 1 else f" {problem}", err=True)
-    raise typer.Exit(2)
 
 
 def load_args(recipe: str | None, overrides: list[str] | None) -> Recipe:

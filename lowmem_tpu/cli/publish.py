@@ -48,11 +48,25 @@ def merge(
     force: Annotated[
         bool, typer.Option("--force", help="Replace a non-empty --out; accept a base other than the recorded one.")
     ] = False,
+    original_weights: Annotated[
+        bool,
+        typer.Option(
+            "--original-weights",
+            help="A quantized (QLoRA) run: merge into the full-precision checkpoint instead of the dequantized "
+            "weights the adapters were trained and evaluated on.",
+        ),
+    ] = False,
 ) -> None:
-    """Merge a LoRA adapter into its base on the CPU; the result is checked against base + adapter."""
+    """Merge a LoRA adapter into its base on the CPU; the result is checked against base + adapter.
+
+    A QLoRA run's adapters are merged into the dequantized weights they trained on (the model that
+    generate and eval ran), checked against the quantized base + adapter.
+    """
     from lowmem_tpu.publish.merge import merge_adapter
 
-    merge_adapter(adapter_dir, out, base=base, revision=revision, dtype=dtype, force=force)
+    merge_adapter(
+        adapter_dir, out, base=base, revision=revision, dtype=dtype, force=force, original_weights=original_weights
+    )
 
 
 @app.command()

@@ -27,7 +27,7 @@ def recipes(ctx: typer.Context) -> None:
     from lowmem_tpu.config.features import text_config
     from lowmem_tpu.config.shipped import describe_shipped
     from lowmem_tpu.memory.advise import gib, plan_recipe
-    from lowmem_tpu.memory.shape import require_config
+    from lowmem_tpu.model.loading import require_config
 
     by_family: dict[str, list[str]] = {}
     for item in describe_shipped():
@@ -35,8 +35,9 @@ def recipes(ctx: typer.Context) -> None:
         try:
             device = item.target or "cpu"
             loaded = load_recipe(item.path, [] if device == "cpu" else ["runtime.device=tpu"])
-            family = str(getattr(text_config(require_config(loaded)), "model_type", family))
-            plan = plan_recipe(loaded, device).plan
+            config = require_config(loaded)
+            family = str(getattr(text_config(config), "model_type", family))
+            plan = plan_recipe(loaded, device, config).plan
             memory = f"{gib(plan.needed)} of {gib(plan.capacity)} per device on {device}"
         except UserError as err:
             memory = f"not planned: {err}"

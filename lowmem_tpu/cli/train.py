@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from lowmem_tpu.cli.common import OverridesArg, RecipeArg, app, fail, load_args
+from lowmem_tpu.cli.common import OverridesArg, RecipeArg, app, load_args
 from lowmem_tpu.config import Recipe
 from lowmem_tpu.config.devices import DEVICES
 from lowmem_tpu.errors import NonFiniteError, UserError
@@ -17,18 +17,12 @@ from lowmem_tpu.errors import NonFiniteError, UserError
 def validate(recipe: RecipeArg = None, overrides: OverridesArg = None) -> None:
     """Check a recipe (schema, files, batch split, layer class) without loading any weights."""
     loaded = load_args(recipe, overrides)
-    from lowmem_tpu.config.checks import target_problem
-    from lowmem_tpu.model import check_model
+    from lowmem_tpu.preflight import preflight
     from lowmem_tpu.xla.runtime import configure_environment
 
-    problem = target_problem(loaded)
-    if problem:
-        raise UserError(problem)
-    configure_environment(loaded.runtime)
-    from lowmem_tpu.xla.extras import require_scan_extra
-
-    require_scan_extra(loaded.sharding.scan_layers, load=False)  # valid, but not runnable here without it
-    summary = check_model(loaded)
+    configure_environment(loaded.runtime)  # before the model check imports transformers
+    # A valid recipe may still not run here: the backend it lands on, the target's split, the [scan] extra.
+    summary = preflight(loaded, platform=True, target=True, scan="installed", model=True)
     target = f"; sized for {loaded.runtime.target}" if loaded.runtime.target else ""
     typer.echo(f"ok: {recipe or 'embedded default'} is valid ({summary}{target})")
 
@@ -65,12 +59,10 @@ def sft(
 
         if not disk_full(err):
             raise
-        fail(
-            UserError(
-                f"the disk of {loaded.output_dir} filled up while the run wrote to it ({err}); complete checkpoints "
-                "are kept: free space there (or choose another output_dir) and run the same command again"
-            )
-        )
+        raise UserError(
+            f"the disk of {loaded.output_dir} filled up while the run wrote to it ({err}); complete checkpoints "
+            "are kept: free space there (or choose another output_dir) and run the same command again"
+        ) from None
     if run.stopped in ("SIGTERM", "SIGINT"):
         raise typer.Exit(143 if run.stopped == "SIGTERM" else 130)
 
@@ -136,22 +128,22 @@ def memory(
 ) -> None:
     """Plan per-device memory of the recipe and its twin (LoRA <-> full); say what to turn on if it does not fit."""
     if compile_ and measure:
-        fail(
-            UserError(
-                "--measure and --compile each compile the step (for the devices here, for --device): one at a time"
-            )
+        raise UserError(
+            "--measure and --compile each compile the step (for the devices here, for --device): one at a time"
         )
     if compile_:
         _compile(recipe, overrides, device, as_json)
         return
-    from lowmem_tpu.memory.advise import default_device, format_report, plan_recipe, report_json
+    from lowmem_tpu.memory.advise import format_report, plan_recipe, report_json
+    from lowmem_tpu.model.loading import require_config
+    from lowmem_tpu.xla.tpu import default_device
 
     # Planning for a TPU: the batch must split over its devices (the planner checks), not the CPU's.
     loaded = load_args(recipe, [*(overrides or []), "runtime.device=tpu"]) if device != "cpu" else None
     device = device or default_device(loaded)
     if device == "cpu":
         loaded = load_args(recipe, overrides)
-    report = plan_recipe(loaded, device)
+    report = plan_recipe(loaded, device, require_config(loaded))
     measured = _measure(load_args(recipe, overrides)) if measure else None
     if as_json:
         import json
@@ -160,22 +152,19 @@ def memory(
         return
     typer.echo(format_report(report))
     if measured:
-        from lowmem_tpu.memory.compare import format_measurement
+        from lowmem_tpu.measure.compare import format_measurement
 
         typer.echo("\n" + format_measurement(measured))
 
 
 def _compile(recipe: str | None, overrides: list[str] | None, device: str | None, as_json: bool) -> None:
     """``memory --compile``: the TPU compiler's verdict on the recipe's step for one TPU."""
+    from lowmem_tpu.measure.tpu_compile import cleanup_on_sigterm, compile_target, require_compiler
+    from lowmem_tpu.measure.tpu_layers import compile_or_extrapolate
+    from lowmem_tpu.measure.tpu_report import compile_beside_plan
     from lowmem_tpu.memory.advise import plan_recipe
-    from lowmem_tpu.memory.tpu_compile import (
-        cleanup_on_sigterm,
-        compile_beside_plan,
-        compile_target,
-        require_compiler,
-    )
-    from lowmem_tpu.memory.tpu_layers import compile_or_extrapolate
-    from lowmem_tpu.xla.extras import require_scan_extra
+    from lowmem_tpu.model.loading import require_config
+    from lowmem_tpu.preflight import preflight
 
     loaded = load_args(recipe, [*(overrides or []), "runtime.device=tpu"])
     name = device or loaded.runtime.target
@@ -183,8 +172,8 @@ def _compile(recipe: str | None, overrides: list[str] | None, device: str | None
         raise UserError("--compile compiles for a TPU: name one with --device (e.g. v5e-8, v5e-1)")
     target = compile_target(name)
     require_compiler()
-    require_scan_extra(loaded.sharding.scan_layers, load=False)
-    plan_recipe(loaded, target.name)  # a batch the chips do not split is refused before any compile
+    preflight(loaded, scan="installed")  # the trace's child imports torchax; this process keeps jax out
+    plan_recipe(loaded, target.name, require_config(loaded))  # a batch the chips do not split: refused first
     where = f"{target.devices} CPU device(s)"
     typer.echo(f"tracing the step on {where}, then compiling it for {target.name}...", err=True)
     cleanup_on_sigterm()
@@ -202,8 +191,10 @@ def _compile(recipe: str | None, overrides: list[str] | None, device: str | None
 
 def _measure(recipe: Recipe) -> dict:
     from lowmem_tpu.config.platform import on_tpu
-    from lowmem_tpu.memory.compare import measure_beside_plan
+    from lowmem_tpu.measure.compare import measure_beside_plan
+    from lowmem_tpu.preflight import preflight
 
+    preflight(recipe, platform=True, scan="installed")  # the step is compiled on this machine's backend
     where = "the TPU" if on_tpu(recipe.runtime.device) else f"{recipe.runtime.num_cpu_devices} CPU devices"
     typer.echo(f"compiling the real training step on {where} (minutes for a large model)...", err=True)
     return measure_beside_plan(recipe)
@@ -223,7 +214,10 @@ def compare(
 ) -> None:
     """LoRA vs full fine-tuning per device: planned beside measured (TPU runtime peak, or the CPU compiler's)."""
     loaded = load_args(recipe, overrides)
-    from lowmem_tpu.memory.compare import compare_recipe, format_compare
+    from lowmem_tpu.measure.compare import compare_recipe, format_compare
+    from lowmem_tpu.preflight import preflight
+
+    preflight(loaded, platform=True, scan="installed")  # each mode is compiled (or run) on this machine
 
     result = compare_recipe(loaded, steps, out or Path(loaded.output_dir) / "compare")
     typer.echo(format_compare(result))

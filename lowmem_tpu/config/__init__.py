@@ -1,23 +1,32 @@
-"""The recipe system: schema, loading (YAML, ``extends``, overrides, shipped recipes), messages.
+"""The recipe as data: schema (its fields), checks (rules across fields), validate (the one entry: every
+problem at once), loading (YAML, ``extends``, overrides, shipped recipes), the TPU VM catalog (devices).
 
-Owns every recipe field and every user-facing word about one. Imports nothing of ours but
+Owns every recipe field and every user-facing word about one. A recipe's validity never depends on
+the machine (``lowmem_tpu.preflight`` asks what this one must have). Imports nothing of ours but
 ``errors``, and nothing heavy (no torch), so ``--help``, ``validate`` and ``show`` stay fast.
 """
 
-from lowmem_tpu.config.loading import apply_overrides, find_recipe, load_recipe, read_recipe_file, shipped_recipes
-from lowmem_tpu.config.messages import validate_recipe
+from lowmem_tpu.config.loading import (
+    apply_overrides,
+    find_recipe,
+    load_recipe,
+    read_recipe_file,
+    shipped_recipes,
+    with_fields,
+    with_overrides,
+)
+from lowmem_tpu.config.model_fields import LoraSection, ModelSection
 from lowmem_tpu.config.rules import micro_batch_size, parse_duration
 from lowmem_tpu.config.schema import (
     DataSection,
     HubSection,
-    LoraSection,
-    ModelSection,
     Recipe,
-    RecipeError,
     RuntimeSection,
     ShardingSection,
     TrainSection,
 )
+from lowmem_tpu.config.section import RecipeError
+from lowmem_tpu.config.validate import validate_recipe
 
 __all__ = [
     "DataSection",
@@ -37,4 +46,6 @@ __all__ = [
     "read_recipe_file",
     "shipped_recipes",
     "validate_recipe",
+    "with_fields",
+    "with_overrides",
 ]

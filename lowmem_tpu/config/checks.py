@@ -1,37 +1,35 @@
 """Checks that involve several fields of a recipe (the schema checks each field on its own).
 
-Each problem is (the dotted fields involved, a message naming the fix): ``config.messages`` drops
-the ones a bad field would make spurious before it reports.
+Each problem is (the dotted fields involved, a message naming the fix): ``config.validate`` drops
+the ones a bad field would make spurious before it reports. They read the recipe only, never the
+machine: what the CPU backend cannot run is a recipe problem when ``runtime.device`` is cpu, and a
+question for ``lowmem_tpu.preflight`` when ``auto`` lands on the CPU here. The schema calls these
+checks, so they name its types without importing them.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 from lowmem_tpu.config.assets import BUILTIN, builtin_has_weights, looks_local
 from lowmem_tpu.config.devices import DEVICES
-from lowmem_tpu.config.platform import on_tpu
 from lowmem_tpu.config.rules import batch_split_problem
 
-if TYPE_CHECKING:  # the schema calls these checks; they only read its types
-    from lowmem_tpu.config.schema import DataSection, Recipe, ShardingSection
+Problem = tuple[tuple[str, ...], str]
+CROSS_FIELDS = "cross_fields"  # pydantic's error type for them: the schema raises them once every field is valid
+BATCH = ("train.global_batch_size", "train.gradient_accumulation_steps")
 
 
-def cross_problems(recipe: Recipe) -> list[tuple[tuple[str, ...], str]]:
-    """Problems that involve several fields, each as (the dotted fields involved, message)."""
-    problems: list[tuple[tuple[str, ...], str]] = []
+def cross_problems(recipe: Any) -> list[Problem]:
+    """Problems of a ``Recipe`` that involve several fields, each as (the dotted fields involved, message)."""
+    problems: list[Problem] = []
     t, model, data = recipe.train, recipe.model, recipe.data
-    batch = ("train.global_batch_size", "train.gradient_accumulation_steps")
-    if t.global_batch_size % t.gradient_accumulation_steps:
-        message = f"{t.global_batch_size} is not divisible by train.gradient_accumulation_steps"
-        problems.append((batch, f"train.global_batch_size: {message} ({t.gradient_accumulation_steps})"))
-    # On a TPU the device count is only known once torch_xla starts; the runtime checks it there.
-    if not on_tpu(recipe.runtime.device):
-        problem = batch_split_problem(
-            t.global_batch_size, t.gradient_accumulation_steps, recipe.runtime.num_cpu_devices
-        )
-        if problem:
-            problems.append(((*batch, "runtime.num_cpu_devices", "runtime.device"), problem))
+    cpu = recipe.runtime.device == "cpu"  # on a TPU the device count is only known once torch_xla starts
+    accumulation = batch_split_problem(t.global_batch_size, t.gradient_accumulation_steps)
+    if accumulation:
+        problems.append((BATCH, accumulation))
+    if cpu and not accumulation and (split := _cpu_split(recipe)):
+        problems.append(split)
     if model.name_or_path.startswith(BUILTIN) and not model.random_init and not builtin_has_weights(model.name_or_path):
         message = f"must be true for {model.name_or_path}, which ships a config and tokenizer but no weights"
         if "name_or_path" not in model.model_fields_set:
@@ -44,6 +42,27 @@ def cross_problems(recipe: Recipe) -> list[tuple[tuple[str, ...], str]]:
             "set lora.enabled: true to train LoRA adapters on the quantized base (QLoRA), or model.quantize: none"
         )
         problems.append((("model.quantize", "lora.enabled"), message))
+    lora = recipe.lora
+    if lora.enabled and model.quantize != "none" and lora.use_dora:
+        message = (
+            f"lora.use_dora: PEFT's DoRA takes each adapted layer's weight as stored to compute its norm, and the "
+            f"{model.quantize} base stores packed integers (the norms would be of those); "
+            "set lora.use_dora: false or model.quantize: none"
+        )
+        problems.append((("lora.use_dora", "model.quantize"), message))
+    if lora.enabled and model.quantize != "none" and str(lora.init_lora_weights).startswith(("pissa", "olora")):
+        message = (
+            f"lora.init_lora_weights: {lora.init_lora_weights} rewrites the base weights to the residual of the "
+            f"adapters' directions, and the {model.quantize} base is frozen as packed integers; "
+            "use lora.init_lora_weights: true (or gaussian), or model.quantize: none"
+        )
+        problems.append((("lora.init_lora_weights", "model.quantize"), message))
+    if model.quantize_double and model.quantize != "nf4":
+        message = (
+            f"model.quantize_double: double quantization is NF4's (it quantizes NF4's fp32 block maxima), "
+            f"and model.quantize is {model.quantize}; set model.quantize: nf4 or remove model.quantize_double"
+        )
+        problems.append((("model.quantize_double", "model.quantize"), message))
     if model.quantize != "none" and recipe.sharding.scan_layers:
         message = (
             f"model.quantize: an {model.quantize} base is not supported with sharding.scan_layers yet "
@@ -51,12 +70,8 @@ def cross_problems(recipe: Recipe) -> list[tuple[tuple[str, ...], str]]:
             "set sharding.scan_layers: false or model.quantize: none"
         )
         problems.append((("model.quantize", "sharding.scan_layers"), message))
-    if model.attn_implementation == "flash" and not on_tpu(recipe.runtime.device):
-        message = (
-            "model.attn_implementation: flash is torch_xla's Pallas TPU kernel, which the CPU backend cannot run "
-            '("Only interpret mode is supported on CPU backend"); use chunked (the same memory saving, any backend)'
-        )
-        problems.append((("model.attn_implementation", "runtime.device"), message))
+    if cpu and (flash := _flash_on_cpu(recipe)):
+        problems.append(flash)
     if model.attn_implementation == "flash" and not flash_tiles(data.max_length):
         below, above = flash_lengths_near(data.max_length)
         lengths = f"{below} or {above}" if below else str(above)
@@ -108,10 +123,35 @@ def flash_lengths_near(length: int) -> tuple[int | None, int]:
     return below, above
 
 
-def target_problem(recipe: Recipe) -> str | None:
+def cpu_backend_problems(recipe: Any) -> list[Problem]:
+    """What the CPU backend cannot run of a recipe: its batch over ``runtime.num_cpu_devices``, flash attention.
+
+    Recipe problems when ``runtime.device`` is cpu (:func:`cross_problems`); ``preflight`` asks them when
+    ``auto`` lands on the CPU of this machine.
+    """
+    return [problem for problem in (_cpu_split(recipe), _flash_on_cpu(recipe)) if problem]
+
+
+def _cpu_split(recipe: Any) -> Problem | None:
+    t, devices = recipe.train, recipe.runtime.num_cpu_devices
+    problem = batch_split_problem(t.global_batch_size, t.gradient_accumulation_steps, devices)
+    return ((*BATCH, "runtime.num_cpu_devices", "runtime.device"), problem) if problem else None
+
+
+def _flash_on_cpu(recipe: Any) -> Problem | None:
+    if recipe.model.attn_implementation != "flash":
+        return None
+    message = (
+        "model.attn_implementation: flash is torch_xla's Pallas TPU kernel, which the CPU backend cannot run "
+        '("Only interpret mode is supported on CPU backend"); use chunked (the same memory saving, any backend)'
+    )
+    return ("model.attn_implementation", "runtime.device"), message
+
+
+def target_problem(recipe: Any) -> str | None:
     """Why the batch cannot split over the devices of the recipe's ``runtime.target`` TPU (None: it can).
 
-    Checked by ``validate`` and ``memory``, not at load: a run uses the devices it finds.
+    Asked by ``preflight`` (``validate``, ``memory``), not at load: a run uses the devices it finds.
     """
     target = DEVICES.get(recipe.runtime.target or "")
     if target is None:
@@ -121,8 +161,8 @@ def target_problem(recipe: Recipe) -> str | None:
     return f"{problem} (runtime.target: {target.name}, {target.devices} devices)" if problem else None
 
 
-def _sharding_problems(sharding: ShardingSection) -> list[tuple[tuple[str, ...], str]]:
-    problems: list[tuple[tuple[str, ...], str]] = []
+def _sharding_problems(sharding: Any) -> list[Problem]:
+    problems: list[Problem] = []
     if sharding.checkpoint_every > 1 and sharding.scan_layers:
         message = (
             f"sharding.activation_checkpointing: {sharding.activation_checkpointing} checkpoints some layers, but "
@@ -141,8 +181,8 @@ def _sharding_problems(sharding: ShardingSection) -> list[tuple[tuple[str, ...],
     return problems
 
 
-def _data_problems(data: DataSection) -> list[tuple[tuple[str, ...], str]]:
-    problems: list[tuple[tuple[str, ...], str]] = []
+def _data_problems(data: Any) -> list[Problem]:
+    problems: list[Problem] = []
     if data.eval_path and data.eval_fraction:
         message = "data.eval_fraction: held-out data is data.eval_path or a fraction of the training data, not both"
         problems.append((("data.eval_path", "data.eval_fraction"), message))

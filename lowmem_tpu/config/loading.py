@@ -1,16 +1,25 @@
-"""Reading a recipe: YAML files, ``extends`` chains, dotted overrides, shipped recipes by name."""
+"""Reading a recipe: YAML files, ``extends`` chains, dotted overrides, shipped recipes by name.
+
+A recipe with overrides is made one way, :func:`with_overrides` (validated by ``config.validate``);
+a section with other values, :func:`with_fields` (pydantic's ``model_copy(update=...)`` validates nothing).
+"""
 
 from __future__ import annotations
 
 import copy
 import re
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
+from pydantic import BaseModel
 
-from lowmem_tpu.config.messages import validate_recipe
-from lowmem_tpu.config.schema import Recipe, RecipeError
+from lowmem_tpu.config.schema import Recipe
+from lowmem_tpu.config.section import RecipeError
+from lowmem_tpu.config.validate import validate_recipe
+
+Section = TypeVar("Section", bound=BaseModel)
 
 RECIPES = Path(__file__).parent.parent / "recipes"
 
@@ -118,7 +127,19 @@ def load_recipe(path: str | Path | None = None, overrides: list[str] | None = No
     ``path`` is a file, or the bare name of a shipped recipe (``open_llama_lora``).
     """
     data = read_recipe_file(find_recipe(path) if path else default_recipe_path())
-    return validate_recipe(apply_overrides(data, overrides or []))
+    return with_overrides(data, overrides or [])
+
+
+def with_overrides(recipe: Recipe | Mapping[str, Any], overrides: list[str]) -> Recipe:
+    """A recipe (or a recipe's mapping, e.g. a run's recipe.yaml) with ``section.key=value`` overrides applied,
+    validated as a whole: every place that changes a recipe makes the new one here."""
+    data = recipe.model_dump(mode="json", exclude={"extends"}) if isinstance(recipe, Recipe) else dict(recipe)
+    return validate_recipe(apply_overrides(data, overrides))
+
+
+def with_fields(section: Section, **changes: Any) -> Section:
+    """A copy of a recipe section (``ModelSection``, ``RuntimeSection``, ...) with ``changes``, validated."""
+    return type(section).model_validate(section.model_dump() | changes)
 
 
 def default_recipe_path() -> Path:

@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
+from typing import Any
 
 from lowmem_tpu.errors import UserError
 
-if TYPE_CHECKING:
-    from lowmem_tpu.config.schema import Recipe
 
-
-def batch_split_problem(global_batch: int, accumulation: int, devices: int) -> str | None:
-    """Why a global batch cannot be cut into micro-batches that split evenly over the devices (None: it can)."""
+def batch_split_problem(global_batch: int, accumulation: int, devices: int | None = None) -> str | None:
+    """Why a global batch cannot be cut into ``accumulation`` micro-batches that split evenly over ``devices``
+    (None: it can; ``devices`` None: only the cut into micro-batches is asked). The one statement of the rule:
+    validation, ``preflight``, the planner and the run all ask it."""
+    if global_batch % accumulation:
+        return (
+            f"train.global_batch_size: {global_batch} is not divisible by train.gradient_accumulation_steps "
+            f"({accumulation})"
+        )
     micro = global_batch // accumulation
-    if micro % devices == 0:
+    if devices is None or micro % devices == 0:
         return None
     return (
         f"train.global_batch_size: the micro-batch ({global_batch} / {accumulation} accumulation steps = "
@@ -23,14 +27,10 @@ def batch_split_problem(global_batch: int, accumulation: int, devices: int) -> s
     )
 
 
-def micro_batch_size(recipe: Recipe, devices: int) -> int:
-    """Samples per forward pass over all devices; a UserError when they do not split evenly."""
+def micro_batch_size(recipe: Any, devices: int) -> int:
+    """Samples per forward pass over all devices of a recipe; a UserError when they do not split evenly."""
     t = recipe.train
     problem = batch_split_problem(t.global_batch_size, t.gradient_accumulation_steps, devices)
-    if t.global_batch_size % t.gradient_accumulation_steps:
-        problem = (
-            f"train.global_batch_size: {t.global_batch_size} is not divisible by train.gradient_accumulation_steps"
-        )
     if problem:
         raise UserError(problem)
     return t.global_batch_size // t.gradient_accumulation_steps

@@ -8,22 +8,18 @@ top-level ``output_dir`` and ``extends``. Every field has a description (they fe
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from lowmem_tpu.config.assets import chat_template_names, check_source
-from lowmem_tpu.config.checks import cross_problems
+from lowmem_tpu.config.checks import CROSS_FIELDS, cross_problems
 from lowmem_tpu.config.devices import TARGETS
+from lowmem_tpu.config.model_fields import LoraSection, ModelSection
 from lowmem_tpu.config.rules import parse_duration
-from lowmem_tpu.errors import UserError
-
-# The projections of a Llama-family decoder layer: LoRA's default targets and what the planner knows.
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# Bits per weight of a quantized base (model.quantize).
-QUANT_BITS = {"int8": 8, "int4": 4}
-
+from lowmem_tpu.config.section import Section
 
 # The fields each data format reads from a record (``data.columns`` maps them to other column names).
 FORMAT_FIELDS: dict[str, tuple[str, ...]] = {
@@ -33,91 +29,6 @@ FORMAT_FIELDS: dict[str, tuple[str, ...]] = {
     "prompt_completion": ("prompt", "completion"),
     "sharegpt": ("conversations",),
 }
-
-
-class RecipeError(UserError):
-    """A recipe that cannot be used; ``problems`` lists every ``dotted.path: message``."""
-
-
-class Section(BaseModel):
-    """A recipe section: unknown keys are errors, values are frozen once validated."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class ModelSection(Section):
-    """The base model and its tokenizer."""
-
-    name_or_path: str = Field(
-        "builtin:tiny-llama",
-        description="Hub id, local directory, or builtin:tiny-llama (a tiny Llama config shipped here).",
-    )
-    revision: str | None = Field(None, description="Hub revision (branch, tag or commit) of the model.")
-    dtype: Literal["bfloat16", "float32"] = Field(
-        "bfloat16", description="Dtype of the weights: bfloat16 halves weight memory; TPUs compute in bf16."
-    )
-    random_init: bool = Field(
-        False, description="Build the model from its config with random weights (nothing downloaded)."
-    )
-    tokenizer: str | None = Field(None, description="Tokenizer path or Hub id; defaults to name_or_path.")
-    use_fast_tokenizer: bool = Field(True, description="Fast (Rust) tokenizer; Open Llama asks for the slow one.")
-    pad_token: str | None = Field(
-        None,
-        description="Pad token to use when the tokenizer has none (default: unk, else eos; "
-        "padding is masked by position, so eos is still learned).",
-    )
-    attn_implementation: Literal["eager", "sdpa", "chunked", "flash"] = Field(
-        "eager",
-        description="Attention kernel. eager/sdpa keep [batch, heads, length, length] fp32 scores per live layer; "
-        "chunked walks keys in blocks of 128 with an online softmax (no [length, length] tensor, any backend); "
-        "flash is torch_xla's Pallas kernel (TPU only).",
-    )
-    quantize: Literal["none", "int8", "int4"] = Field(
-        "none",
-        description="Freeze the base's decoder linears in int8 (one scale per output row) or int4 "
-        "(one scale per group of inputs, two per byte), quantized while loading; LoRA only (QLoRA).",
-    )
-    quantize_group_size: Literal[32, 64, 128, 256] = Field(
-        64, description="int4: inputs sharing one scale (smaller = more accurate, more scales)."
-    )
-    quantize_lm_head: bool = Field(False, description="Quantize the LM head too (not when tied to the embedding).")
-
-    @field_validator("dtype", mode="before")
-    @classmethod
-    def _no_fp16(cls, value: Any) -> Any:
-        if str(value).lower() in {"float16", "fp16", "half", "torch.float16"}:
-            raise ValueError("fp16 is not a TPU training dtype: TPUs train in bfloat16 (use model.dtype: bfloat16)")
-        return value
-
-    @field_validator("quantize", mode="before")
-    @classmethod
-    def _no_quantize(cls, value: Any) -> Any:
-        return "none" if value is None or value is False else value
-
-    @field_validator("name_or_path", "tokenizer")
-    @classmethod
-    def _exists(cls, value: str | None) -> str | None:
-        return None if value is None else check_source(value, "model")
-
-
-class LoraSection(Section):
-    """LoRA adapters (PEFT); disable for full-parameter fine-tuning."""
-
-    enabled: bool = Field(True, description="Train LoRA adapters on a frozen base; false = full fine-tuning.")
-    r: int = Field(16, gt=0, le=4096, description="LoRA rank: adapter memory grows linearly with r.")
-    alpha: float = Field(32, gt=0, description="LoRA scaling numerator (scale = alpha / r).")
-    dropout: float = Field(
-        0.0,
-        ge=0,
-        lt=1,
-        description="Dropout on the LoRA input. 0 by default: on a TPU every layer's random bits are kept for "
-        "the backward pass, checkpointed or not, which costs much memory per chip (the figure: "
-        "`lowmem-tpu memory RECIPE lora.dropout=0.05 --compile`; docs/memory.md).",
-    )
-    target_modules: list[str] | Literal["all-linear"] = Field(
-        default_factory=lambda: list(LORA_TARGETS),
-        description="Module names that get adapters, or all-linear.",
-    )
 
 
 class DataSection(Section):
@@ -371,18 +282,16 @@ class Recipe(Section):
     hub: HubSection = Field(default_factory=HubSection)
 
     @model_validator(mode="after")
-    def _cross_checks(self, info: ValidationInfo) -> Recipe:
-        # validate_recipe defers these so it can drop the ones a bad field would make spurious.
-        if not (info.context or {}).get(DEFER_CROSS_CHECKS):
-            problems = [message for _, message in cross_problems(self)]
-            if problems:
-                raise ValueError("\n".join(problems))
+    def _cross_checks(self) -> Recipe:
+        # Run by pydantic once every field is valid, so a recipe built directly is checked too;
+        # config.validate reads the (fields, message) pairs from the error's context.
+        problems = cross_problems(self)
+        if problems:
+            message = "\n".join(text for _, text in problems)
+            raise PydanticCustomError(CROSS_FIELDS, "{message}", {"message": message, "problems": problems})
         return self
 
     def to_yaml(self) -> str:
         """The resolved recipe as YAML (no ``extends``: every value is spelled out)."""
         data = self.model_dump(mode="json", exclude={"extends"})
         return yaml.safe_dump(data, sort_keys=False)
-
-
-DEFER_CROSS_CHECKS = "lowmem_tpu.defer_cross_checks"

@@ -15,7 +15,7 @@ from typing import Any
 from lowmem_tpu.config import ModelSection
 from lowmem_tpu.errors import UserError
 from lowmem_tpu.files import check_whole, checkpoint_instead
-from lowmem_tpu.publish.merge import adapter_tokenizer, choose_base, read_adapter_config, read_recipe_data
+from lowmem_tpu.publish.base import adapter_tokenizer, choose_base, read_adapter_config, read_recipe_data
 
 ADAPTER_CONFIG = "adapter_config.json"
 
@@ -84,6 +84,7 @@ def load_trained(directory: Path, *, base: str | None = None, force: bool = Fals
         dtype=dtype,
         quantize=model_cfg.get("quantize", "none"),
         quantize_group_size=model_cfg.get("quantize_group_size", 64),
+        quantize_double=model_cfg.get("quantize_double"),
         quantize_lm_head=model_cfg.get("quantize_lm_head", False),
     )
     from peft import PeftModel

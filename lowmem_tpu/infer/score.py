@@ -20,9 +20,7 @@ DEFAULT_SAMPLES = 100
 
 def _recipe(saved: dict[str, Any], directory: Path, data: str, fmt: str | None, split: str | None, out: str) -> Any:
     """The run's recipe, pointed at ``data`` as its held-out set (nothing is trained)."""
-    import yaml
-
-    from lowmem_tpu.config import apply_overrides, validate_recipe
+    from lowmem_tpu.config import with_overrides
 
     if not saved:
         raise UserError(f"{directory}: no recipe.yaml beside the weights; eval needs the run's data settings")
@@ -30,8 +28,7 @@ def _recipe(saved: dict[str, Any], directory: Path, data: str, fmt: str | None, 
     overrides += ["train.eval_samples=0", "train.eval_steps=null", "hub.push=false", "data.max_samples=null"]
     overrides += [f"data.format={fmt}"] if fmt else []
     overrides += [f"data.split={split}"] if split else []
-    text = yaml.safe_dump(saved)
-    return validate_recipe(apply_overrides(yaml.safe_load(text), overrides))
+    return with_overrides(saved, overrides)
 
 
 def evaluate_directory(
@@ -42,7 +39,7 @@ def evaluate_directory(
     from lowmem_tpu.console import say
     from lowmem_tpu.data.formats import require_columns
     from lowmem_tpu.infer.load import kind_of, load_trained
-    from lowmem_tpu.publish.merge import read_recipe_data
+    from lowmem_tpu.publish.base import read_recipe_data
     from lowmem_tpu.xla import runtime as rt
 
     kind_of(Path(directory))

@@ -1,7 +1,9 @@
-"""Memory planning: what a recipe needs per device, and how that compares with what XLA measures.
+"""Memory planning: what a recipe needs per device, by arithmetic on the model's config and the recipe.
 
-``shape`` (the architecture and the recipe's memory-relevant settings), ``plan`` (the arithmetic),
-``advise`` (the twin, what to turn on next, output), ``compiler`` (reading XLA's buffer
-assignments), ``measure`` (compiling or running the real step in a subprocess), ``compare``
-(LoRA vs full, planned beside measured). ``shape``, ``plan`` and ``advise`` import no torch.
+``shape`` (the architecture and the recipe's memory-relevant settings), ``plan`` (the arithmetic, in
+the CPU backend's layout, ``cpu_layout``, or the TPU compiler's, ``tpu_layout`` with ``tiles``),
+``advise`` (the twin, what to turn on next, output), ``record`` (what a run writes about its memory).
+It imports ``config`` and nothing heavy at any depth: no torch, torch_xla, jax or transformers (the
+caller reads the model's config: ``model.loading.require_config``). What XLA measures of the real step
+is :mod:`lowmem_tpu.measure`'s.
 """

@@ -11,11 +11,10 @@ from typing import Any
 
 from lowmem_tpu.config import Recipe
 from lowmem_tpu.config.checks import flash_tiles
-from lowmem_tpu.config.devices import Device, GiB, device_for, find_device
-from lowmem_tpu.config.platform import tpu_present
+from lowmem_tpu.config.devices import Device, GiB, find_device
 from lowmem_tpu.errors import UserError
 from lowmem_tpu.memory.plan import Plan, plan_setting
-from lowmem_tpu.memory.shape import Setting, Shape, require_config, setting_of, shape_of
+from lowmem_tpu.memory.shape import Setting, Shape, setting_of, shape_of
 
 # ----------------------------------------------------------------------------- what to turn on next
 
@@ -180,25 +179,11 @@ class MemoryReport:
     twin_steps: list[Step]
 
 
-def default_device(recipe: Recipe) -> str:
-    """What to plan for without ``--device``: the recipe's ``runtime.target``, else the TPU here, else ``cpu``."""
-    if recipe.runtime.target:
-        return recipe.runtime.target
-    if recipe.runtime.device == "cpu" or not tpu_present():
-        return "cpu"
-    from lowmem_tpu.xla.tpu import local_chips
-
-    chips = local_chips()
-    found = device_for(chips.generation.name, chips.xla_devices) if chips.generation else None
-    if found is None:
-        raise UserError("this TPU is not one the planner knows: name one with --device (or set runtime.target)")
-    return found.name
-
-
-def plan_recipe(recipe: Recipe, device: str, config: Any = None) -> MemoryReport:
-    """Plan ``recipe`` on ``device`` (a name from :data:`DEVICES` or ``cpu``)."""
+def plan_recipe(recipe: Recipe, device: str, config: Any) -> MemoryReport:
+    """Plan ``recipe`` on ``device`` (a name from :data:`DEVICES` or ``cpu``) for the model ``config``
+    (``model.loading.require_config``: the caller reads it, so the planner imports no model code)."""
     target = find_device(device, recipe.runtime.num_cpu_devices)
-    shape = shape_of(config if config is not None else require_config(recipe))
+    shape = shape_of(config)
     if recipe.model.attn_implementation == "flash" and shape.flash_refusal:
         raise UserError(shape.flash_refusal)
     layout = "cpu" if target.name == "cpu" else "tpu"

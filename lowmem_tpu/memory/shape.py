@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 from lowmem_tpu.config import Recipe
 from lowmem_tpu.config.features import chunked_loss_refusal, flash_refusal, text_config
+from lowmem_tpu.config.model_fields import LORA_TARGETS, QUANT_BITS
 from lowmem_tpu.config.rules import batch_split_problem
-from lowmem_tpu.config.schema import LORA_TARGETS, QUANT_BITS, uses_master_weights
+from lowmem_tpu.config.schema import uses_master_weights
 from lowmem_tpu.errors import UserError
 
 
@@ -165,48 +163,3 @@ FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj
 
 def _unfused(names: list[str]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(part for name in names for part in FUSED.get(name, (name,))))
-
-
-# ----------------------------------------------------------------------------- the architecture, offline
-
-
-def require_config(recipe: Recipe) -> Any:
-    """The model's architecture, offline: a local or shipped config.json (read as JSON, nothing heavy
-    imported), else transformers' cache. A UserError says how to supply it when there is none."""
-    from lowmem_tpu.model.loading import CONFIGS, resolve_source, shipped_config_path
-
-    source = resolve_source(recipe.model.name_or_path)
-    local = Path(source).expanduser() / "config.json"
-    path = local if local.is_file() else shipped_config_path(source)
-    if path is not None:
-        return _with_class_defaults(json.loads(path.read_text()))
-    from lowmem_tpu.model.loading import load_config
-
-    config = load_config(recipe.model, offline=True)
-    if config is None:
-        name = recipe.model.name_or_path
-        raise UserError(
-            f"model.name_or_path: the architecture of {name!r} is not available offline (nothing is downloaded). "
-            f"Give a local directory that holds its config.json (model.name_or_path=/path/to/dir), or save its "
-            f"config.json as {CONFIGS / (name.replace('/', '__') + '.json')}"
-        )
-    return config
-
-
-PLANNED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
-
-
-def _with_class_defaults(raw: dict[str, Any]) -> Any:
-    """A config.json as attributes; one that leaves out what the planner reads goes through its transformers
-    config class, so each value left out takes the class default (Gemma leaves out ``tie_word_embeddings``,
-    true; Gemma 3 4B+ most of its ``text_config``). transformers is imported only then."""
-    text = raw.get("text_config", raw)
-    if all(key in text for key in PLANNED) and "tie_word_embeddings" in {**raw, **text}:
-        return SimpleNamespace(**raw)
-    from transformers import AutoConfig
-
-    fields = {key: value for key, value in raw.items() if key != "model_type"}
-    try:
-        return AutoConfig.for_model(raw["model_type"], **fields)
-    except (KeyError, ValueError, TypeError):
-        return SimpleNamespace(**raw)

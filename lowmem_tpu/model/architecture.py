@@ -7,7 +7,7 @@ from typing import Any
 
 from lowmem_tpu.config import Recipe
 from lowmem_tpu.config.features import chunked_loss_refusal, flash_refusal, text_config
-from lowmem_tpu.config.schema import LORA_TARGETS
+from lowmem_tpu.config.model_fields import LORA_TARGETS
 from lowmem_tpu.errors import UserError
 from lowmem_tpu.model.loading import load_config, meta_model
 

@@ -11,9 +11,10 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Literal
 
-from lowmem_tpu.config import ModelSection
+from lowmem_tpu.config import ModelSection, Recipe, with_fields
 from lowmem_tpu.config.assets import BUILTIN, resolve_builtin
 from lowmem_tpu.errors import UserError
 
@@ -69,6 +70,44 @@ def load_config(cfg: ModelSection, offline: bool = False) -> Any:
         raise UserError(f"model.name_or_path: cannot load the config of {source!r}: {err}") from None
 
 
+def require_config(recipe: Recipe) -> Any:
+    """The model's architecture, offline: a local or shipped config.json (read as JSON, nothing heavy
+    imported), else transformers' cache. A UserError says how to supply it when there is none."""
+    source = resolve_source(recipe.model.name_or_path)
+    local = Path(source).expanduser() / "config.json"
+    path = local if local.is_file() else shipped_config_path(source)
+    if path is not None:
+        return _with_class_defaults(json.loads(path.read_text()))
+    config = load_config(recipe.model, offline=True)
+    if config is None:
+        name = recipe.model.name_or_path
+        raise UserError(
+            f"model.name_or_path: the architecture of {name!r} is not available offline (nothing is downloaded). "
+            f"Give a local directory that holds its config.json (model.name_or_path=/path/to/dir), or save its "
+            f"config.json as {CONFIGS / (name.replace('/', '__') + '.json')}"
+        )
+    return config
+
+
+PLANNED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+
+
+def _with_class_defaults(raw: dict[str, Any]) -> Any:
+    """A config.json as attributes; one that leaves out what the planner reads goes through its transformers
+    config class, so each value left out takes the class default (Gemma leaves out ``tie_word_embeddings``,
+    true; Gemma 3 4B+ most of its ``text_config``). transformers is imported only then."""
+    text = raw.get("text_config", raw)
+    if all(key in text for key in PLANNED) and "tie_word_embeddings" in {**raw, **text}:
+        return SimpleNamespace(**raw)
+    from transformers import AutoConfig
+
+    fields = {key: value for key, value in raw.items() if key != "model_type"}
+    try:
+        return AutoConfig.for_model(raw["model_type"], **fields)
+    except (KeyError, ValueError, TypeError):
+        return SimpleNamespace(**raw)
+
+
 def torch_dtype(name: str) -> Any:
     import torch
 
@@ -92,9 +131,9 @@ def meta_model(config: Any, cfg: ModelSection | None = None) -> Any:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, **kwargs)
     if cfg is not None and cfg.quantize != "none":
-        from lowmem_tpu.model.quantize import BITS, swap_linears
+        from lowmem_tpu.model.quantize import QuantSpec, swap_linears
 
-        swap_linears(model, BITS[cfg.quantize], cfg.quantize_group_size, cfg.quantize_lm_head, torch_dtype(cfg.dtype))
+        swap_linears(model, QuantSpec.of(cfg), cfg.quantize_lm_head, torch_dtype(cfg.dtype))
     model.config.use_cache = False
     return model
 
@@ -130,9 +169,9 @@ def quantize_base(model: Any, cfg: ModelSection) -> int:
     """Quantize a base built with random weights (in full precision); returns the layer count."""
     if cfg.quantize == "none":
         return 0
-    from lowmem_tpu.model.quantize import quantize_model
+    from lowmem_tpu.model.quantize import QuantSpec, quantize_model
 
-    return quantize_model(model, cfg.quantize, cfg.quantize_group_size, cfg.quantize_lm_head)
+    return quantize_model(model, QuantSpec.of(cfg), cfg.quantize_lm_head)
 
 
 # ----------------------------------------------------------------------------- reading a checkpoint
@@ -204,7 +243,7 @@ def _from_checkpoint(cfg: ModelSection) -> Any:
             f"model.name_or_path: {directory} holds no model.safetensors or pytorch_model.bin "
             "(or their .index.json); give the directory of a saved model"
         )
-    model = meta_model(load_config(cfg.model_copy(update={"name_or_path": str(directory), "revision": None})), cfg)
+    model = meta_model(load_config(with_fields(cfg, name_or_path=str(directory), revision=None)), cfg)
     dtype = torch_dtype(cfg.dtype)
     expected = {name for name, _ in model.named_parameters()} | set(dict(model.named_buffers()))
     rename = _checkpoint_names(model, directory)

@@ -22,10 +22,15 @@ def apply_lora(model: Any, recipe: Recipe) -> Any:
         lora_alpha=lora.alpha,
         lora_dropout=lora.dropout,
         target_modules=lora_targets(model, lora.target_modules),
+        use_rslora=lora.use_rslora,
+        use_dora=lora.use_dora,
+        init_lora_weights=lora.init_lora_weights,
+        modules_to_save=lora.modules_to_save,
         bias="none",
         task_type="CAUSAL_LM",
     )
     try:
         return get_peft_model(model, config)
     except ValueError as err:
-        raise UserError(f"lora.target_modules: {err}") from None
+        fields = "lora.modules_to_save" if lora.modules_to_save and "modules_to_save" in str(err) else "lora"
+        raise UserError(f"{fields}: {err}") from None

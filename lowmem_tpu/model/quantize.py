@@ -1,15 +1,17 @@
-"""A frozen int8 or int4 base for QLoRA-style training, in plain PyTorch that XLA compiles.
+"""A frozen int8, int4 or NF4 base for QLoRA training, in plain PyTorch that XLA compiles.
 
-Each quantized projection keeps an integer weight and its scales and dequantizes inside
-its forward pass (``q.to(dtype) * scale``), so XLA gathers the small integer shards and
-the full-precision weight of one projection exists only while it is used.
+Each quantized projection keeps its packed weight and scales and dequantizes inside its forward
+pass. Under FSDP the layer asks for its packed weight and scales whole (``gather``, set by the
+sharding code) before dequantizing, so the all-gather moves the packed bytes, and the full-precision
+weight of one projection exists on each chip only while it is used.
 
 - int8: symmetric, one scale per output row (``w ~ q * scale``, ``q`` in [-127, 127]).
 - int4: symmetric, one scale per group of ``group_size`` inputs (``q`` in [-7, 7]), two
   values per byte (low nibble first). An input width that is not a multiple of the group
   is zero-padded to one, and the padding is sliced off after dequantizing.
+- nf4: QLoRA's 4-bit NormalFloat with double quantization, bitsandbytes' layout (``model.nf4``).
 
-Scales are kept in the model's dtype; the integers are rounded against the stored scale,
+int8/int4 scales are kept in the model's dtype; the integers are rounded against the stored scale,
 so the scale's own rounding adds no error. ``model.loading`` quantizes a checkpoint while it
 is read, one tensor at a time, so the full-precision model never exists in memory as a whole.
 """
@@ -17,16 +19,37 @@ is read, one tensor at a time, so the full-precision model never exists in memor
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lowmem_tpu.config.schema import QUANT_BITS as BITS
+from lowmem_tpu.config import ModelSection
 from lowmem_tpu.errors import UserError
+from lowmem_tpu.model.nf4 import NF4Weight, dequantize_nf4, quantize_nf4
 
 QMAX = {8: 127, 4: 7}
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """How a base is quantized: ``method`` int8 / int4 / nf4, inputs per scale, NF4's double quantization."""
+
+    method: str
+    group_size: int = 64
+    double: bool = False
+
+    @classmethod
+    def of(cls, cfg: ModelSection) -> QuantSpec:
+        double = cfg.quantize == "nf4" and cfg.quantize_double is not False
+        return cls(cfg.quantize, cfg.quantize_group_size, double)
+
+    @property
+    def bits(self) -> int:
+        return 8 if self.method == "int8" else 4
 
 
 def quantize_weight(weight: torch.Tensor, bits: int, group_size: int, dtype: torch.dtype):
@@ -64,45 +87,46 @@ def dequantize_weight(
 
 
 class QuantizedLinear(nn.Linear):
-    """A frozen linear layer with an int8 or packed-int4 weight, dequantized in ``forward``.
+    """A frozen linear layer with a quantized weight, dequantized in ``forward``.
 
     It is an ``nn.Linear`` to PEFT (which wraps it with LoRA, ``all-linear`` included). Its
-    ``qweight`` (integers) and ``scale`` are frozen parameters, so sharding places and shards
-    them like any other; ``weight`` names the integers, so code that would write into a float
-    weight (merging an adapter into this layer) fails instead of silently doing nothing.
+    ``qweight`` (packed integers) and ``scale`` (NF4: the block maxima) are frozen parameters, so
+    sharding places and shards them like any other; NF4's second-level scales (``absmax2``,
+    ``offset``) are small buffers, replicated. ``weight`` names the integers, so code that would
+    write into a float weight (merging an adapter into this layer) fails instead of silently doing
+    nothing. ``gather`` (identity unless the sharding code sets it) makes a packed tensor whole.
     """
+
+    gather: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def __init__(
         self,
         in_features: int,
         out_features: int,
         bias: bool,
-        bits: int,
-        group_size: int,
+        spec: QuantSpec,
         dtype: torch.dtype,
         device: torch.device | str | None = None,
     ):
         nn.Module.__init__(self)
         self.in_features, self.out_features = in_features, out_features
-        self.bits, self.group_size, self.compute_dtype = bits, group_size, dtype
-        if bits == 8:
-            q_shape, s_shape = (out_features, in_features), (out_features,)
-            q_dtype = torch.int8
-        else:
-            groups = math.ceil(in_features / group_size)
-            q_shape, s_shape = (out_features, groups * group_size // 2), (out_features, groups)
-            q_dtype = torch.uint8
+        self.spec, self.compute_dtype = spec, dtype
+        q_shape, q_dtype, s_shape, s_dtype = _shapes(in_features, out_features, spec, dtype)
         self.qweight = nn.Parameter(torch.zeros(q_shape, dtype=q_dtype, device=device), requires_grad=False)
-        self.scale = nn.Parameter(torch.ones(s_shape, dtype=dtype, device=device), requires_grad=False)
+        self.scale = nn.Parameter(torch.ones(s_shape, dtype=s_dtype, device=device), requires_grad=False)
+        if spec.double:
+            blocks = math.ceil(math.prod(s_shape) / 256)
+            self.register_buffer("absmax2", torch.ones(blocks, dtype=torch.float32, device=device))
+            self.register_buffer("offset", torch.zeros((), dtype=torch.float32, device=device))
         self.bias = (
             nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
         )
 
     @classmethod
-    def like(cls, linear: nn.Linear, bits: int, group_size: int, dtype: torch.dtype) -> QuantizedLinear:
+    def like(cls, linear: nn.Linear, spec: QuantSpec, dtype: torch.dtype) -> QuantizedLinear:
         """An empty quantized twin of ``linear``, on the same device (``meta`` stays ``meta``)."""
         device = linear.weight.device
-        return cls(linear.in_features, linear.out_features, linear.bias is not None, bits, group_size, dtype, device)
+        return cls(linear.in_features, linear.out_features, linear.bias is not None, spec, dtype, device)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -115,14 +139,27 @@ class QuantizedLinear(nn.Linear):
             raise ValueError(
                 f"weight of shape {tuple(weight.shape)} for a {self.out_features}x{self.in_features} layer"
             )
-        q, scale = quantize_weight(weight, self.bits, self.group_size, self.compute_dtype)
+        spec = self.spec
+        if spec.method == "nf4":
+            nf4 = quantize_nf4(weight, spec.group_size, spec.double)
+            q, scale = nf4.packed, nf4.absmax
+            if spec.double:
+                self.absmax2, self.offset = nf4.absmax2, nf4.offset
+        else:
+            q, scale = quantize_weight(weight, spec.bits, spec.group_size, self.compute_dtype)
         self.qweight = nn.Parameter(q, requires_grad=False)
         self.scale = nn.Parameter(scale, requires_grad=False)
 
     def dequantized(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        return dequantize_weight(
-            self.qweight, self.scale, self.bits, self.group_size, self.in_features, dtype or self.compute_dtype
-        )
+        """The whole weight in ``dtype`` (default: the compute dtype), as training uses it."""
+        return self._dequantize(self.qweight, self.scale, dtype or self.compute_dtype)
+
+    def _dequantize(self, qweight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        spec = self.spec
+        if spec.method != "nf4":
+            return dequantize_weight(qweight, scale, spec.bits, spec.group_size, self.in_features, dtype)
+        second = (self.absmax2, self.offset) if spec.double else (None, None)
+        return dequantize_nf4(NF4Weight(qweight, scale, *second), dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.to(x.dtype)
@@ -135,13 +172,44 @@ class QuantizedLinear(nn.Linear):
         float ``x * 0``) means the weight cannot be dequantized before the layer's input exists
         nor shared between the forward pass and its recomputation, so XLA neither hoists every
         layer's dequantization to the start of the step nor keeps it live until the backward pass.
+        NF4's double-quantized maxima are integers: there the anchor joins the offset.
         """
-        scale = scale.to(anchor.dtype) + anchor.reshape(-1)[:1].detach() * 0
-        return dequantize_weight(qweight, scale, self.bits, self.group_size, self.in_features, anchor.dtype)
+        if self.gather is not None:
+            qweight, scale = self.gather(qweight), self.gather(scale)
+        zero = anchor.reshape(-1)[:1].detach() * 0
+        if self.spec.method != "nf4":
+            scale = scale.to(anchor.dtype) + zero
+            return dequantize_weight(
+                qweight, scale, self.spec.bits, self.spec.group_size, self.in_features, anchor.dtype
+            )
+        if not self.spec.double:
+            return dequantize_nf4(NF4Weight(qweight, scale + zero.float(), None, None), anchor.dtype)
+        return dequantize_nf4(NF4Weight(qweight, scale, self.absmax2, self.offset + zero.float()), anchor.dtype)
 
     def extra_repr(self) -> str:
-        group = f", group_size={self.group_size}" if self.bits == 4 else ""
-        return f"in_features={self.in_features}, out_features={self.out_features}, int{self.bits}{group}"
+        spec = self.spec
+        group = "" if spec.method == "int8" else f", group_size={spec.group_size}"
+        double = ", double_quant" if spec.double else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, {spec.method}{group}{double}"
+
+
+def _shapes(
+    in_features: int, out_features: int, spec: QuantSpec, dtype: torch.dtype
+) -> tuple[tuple[int, ...], torch.dtype, tuple[int, ...], torch.dtype]:
+    """``(qweight shape, its dtype, scale shape, its dtype)`` of a quantized layer."""
+    if spec.method == "int8":
+        return (out_features, in_features), torch.int8, (out_features,), dtype
+    if spec.method == "int4":
+        groups = math.ceil(in_features / spec.group_size)
+        return (out_features, groups * spec.group_size // 2), torch.uint8, (out_features, groups), dtype
+    if in_features % spec.group_size:
+        raise UserError(
+            f"model.quantize_group_size: nf4 blocks of {spec.group_size} must tile each row, and this model has "
+            f"a linear layer of {in_features} inputs; choose a group size that divides {in_features}, "
+            "or model.quantize: int4 (which pads a row to whole groups)"
+        )
+    maxima = torch.uint8 if spec.double else torch.float32
+    return (out_features, in_features // 2), torch.uint8, (out_features, in_features // spec.group_size), maxima
 
 
 class _DequantizedLinear(torch.autograd.Function):
@@ -189,21 +257,21 @@ def check_quantizable(config: Any, lm_head: bool) -> None:
         )
 
 
-def swap_linears(model: nn.Module, bits: int, group_size: int, lm_head: bool, dtype: torch.dtype) -> list[str]:
+def swap_linears(model: nn.Module, spec: QuantSpec, lm_head: bool, dtype: torch.dtype) -> list[str]:
     """Replace the linears to quantize by empty ``QuantizedLinear``s (for a model on ``meta``)."""
     names = quantized_names(model, lm_head)
     for name in names:
-        _replace(model, name, QuantizedLinear.like(model.get_submodule(name), bits, group_size, dtype))
+        _replace(model, name, QuantizedLinear.like(model.get_submodule(name), spec, dtype))
     return names
 
 
 @torch.no_grad()
-def quantize_model(model: nn.Module, method: str, group_size: int, lm_head: bool = False) -> int:
+def quantize_model(model: nn.Module, spec: QuantSpec, lm_head: bool = False) -> int:
     """Quantize a loaded model's linears in place, one at a time; returns how many were quantized."""
     names = quantized_names(model, lm_head)
     for name in names:
         linear = model.get_submodule(name)
-        layer = QuantizedLinear.like(linear, BITS[method], group_size, linear.weight.dtype)
+        layer = QuantizedLinear.like(linear, spec, linear.weight.dtype)
         layer.load_weight(linear.weight)
         if linear.bias is not None:
             layer.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
@@ -216,8 +284,22 @@ def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, child, module)
 
 
+def dequantize_model(model: nn.Module, dtype: torch.dtype) -> int:
+    """Replace every ``QuantizedLinear`` by an ``nn.Linear`` holding its dequantized weight: the model as
+    training used it, which a merge folds the adapters into. Returns how many were replaced."""
+    names = [name for name, module in model.named_modules() if isinstance(module, QuantizedLinear)]
+    for name in names:
+        layer = model.get_submodule(name)
+        linear = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None, dtype=dtype)
+        linear.weight = nn.Parameter(layer.dequantized(dtype), requires_grad=False)
+        if layer.bias is not None:
+            linear.bias = nn.Parameter(layer.bias.detach().to(dtype), requires_grad=False)
+        _replace(model, name, linear)
+    return len(names)
+
+
 def logical_parameters(model: nn.Module) -> int:
-    """Parameters of the model as if unquantized (a packed int4 byte holds two weights)."""
+    """Parameters of the model as if unquantized (a packed 4-bit byte holds two weights)."""
     stored = {id(p): p.numel() for p in model.parameters()}
     for module in model.modules():
         if isinstance(module, QuantizedLinear):

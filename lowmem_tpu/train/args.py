@@ -7,7 +7,7 @@ from trl import SFTConfig
 from lowmem_tpu import hosts
 from lowmem_tpu.config import Recipe
 
-OPTIMIZERS = {"adamw": "adamw_torch", "adafactor": "adafactor"}
+OPTIMIZERS = {"adamw": "adamw_torch", "adafactor": "adafactor"}  # trap ``fused-adamw`` (train.trainer)
 
 
 def training_args(recipe: Recipe, micro_batch: int) -> SFTConfig:
@@ -35,8 +35,8 @@ def training_args(recipe: Recipe, micro_batch: int) -> SFTConfig:
         seed=t.seed,
         data_seed=t.seed,
         bf16=False,  # weights are already in the recipe's dtype; no autocast
-        gradient_checkpointing=False,
-        fsdp=["full_shard"],
+        gradient_checkpointing=False,  # trap ``gradient-checkpointing``: torch_xla's, in xla.sharding
+        fsdp=["full_shard"],  # trap ``fsdp-string``
         fsdp_config={"xla": True, "xla_fsdp_v2": True, "xla_fsdp_grad_ckpt": False},
         dataset_kwargs={"skip_prepare_dataset": True},
         remove_unused_columns=False,

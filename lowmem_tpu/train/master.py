@@ -106,3 +106,16 @@ def with_master_weights(optimizer: torch.optim.Optimizer, fp32_copy: Any) -> tor
     torch.optim.Optimizer.__init__(wrapped, groups, optimizer.defaults)
     wrapped.pairs = pairs
     return wrapped
+
+
+def fp32_copy(param: torch.Tensor, runtime: Any, strategy: str) -> torch.Tensor:
+    """A master weight: ``param`` in fp32, through the host one tensor at a time, placed as the weights were.
+
+    An fp32 cast made on the devices loses its sharding when a dimension does not divide by the device
+    count (XLA then keeps a replicated copy, measured on 8 CPU devices with a 172-wide projection).
+    """
+    from lowmem_tpu.xla.sharding import place_like
+    from lowmem_tpu.xla.transfer import to_host
+
+    host = to_host(param.detach()).to(torch.float32)
+    return place_like(host, param, runtime, strategy)

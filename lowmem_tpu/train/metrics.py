@@ -1,40 +1,20 @@
 """What a run measures about itself: the log history (also as ``metrics.jsonl``, line by line as it
-happens) and XLA compilations per step; which reporting integrations are installed."""
+happens) and XLA compilations per step; the loss's companions summed on the device and the log's
+figures made from them (throughput, MFU, memory). Whether the reporting integrations are installed
+is ``lowmem_tpu.preflight``'s question."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import time
 from pathlib import Path
 from typing import Any
 
+import torch
 from transformers import TrainerCallback
 
-from lowmem_tpu.errors import UserError
 from lowmem_tpu.train.plot import JSONL
 from lowmem_tpu.xla import runtime as rt
-
-# The package each train.report_to integration needs (transformers' own callbacks import them).
-INTEGRATIONS = {
-    "tensorboard": ("tensorboard", "pip install 'lowmem-tpu[tensorboard]' (in a clone, make install has it)"),
-    "wandb": ("wandb", "pip install wandb"),
-}
-
-
-def check_reporters(reporters: list[str]) -> None:
-    """A UserError naming the missing package and the command that installs it, before anything loads."""
-    missing = [
-        (name, *INTEGRATIONS[name]) for name in reporters if importlib.util.find_spec(INTEGRATIONS[name][0]) is None
-    ]
-    if missing:
-        raise UserError(
-            [
-                f"train.report_to: {name} needs the {package} package, which is not installed: {fix} "
-                "(or drop it from train.report_to)"
-                for name, package, fix in missing
-            ]
-        )
 
 
 class JsonlLog(TrainerCallback):
@@ -106,3 +86,87 @@ class MetricsCallback(TrainerCallback):
         """Warm-up lasts until the step after the first log and the first evaluation."""
         marks = [3] + [s + 1 for s in (self.first_log_step, self.first_eval_step) if s is not None]
         return min(max(marks), max_steps)
+
+
+RUNNING = ("tokens", "label_tokens", "correct")  # the running sums of each mode, from which the figures come
+
+
+class DeviceMetrics:
+    """The loss's companions kept on the device between logs (trap ``per-step-item``), read at logging time.
+
+    Running sums by ``MODE/KEY`` (tokens, label tokens, correct predictions), and from them the log's
+    figures: token accuracy, step time, tokens per second, MFU, and the per-device memory.
+    """
+
+    def __init__(self, recipe: Any, runtime: Any, flops_per_token: float | None, planned_bytes: int | None):
+        self.recipe, self.runtime = recipe, runtime
+        self.flops_per_token = flops_per_token
+        self.planned_bytes = planned_bytes  # the planner's peak per device for this run
+        self.totals: dict[str, torch.Tensor] = {}
+        self._last_log: tuple[float, dict[str, float]] | None = None
+
+    def start(self, step: int) -> None:
+        """Throughput is measured from here (a run's first step, or its resumed one)."""
+        self._last_log = (time.perf_counter(), {"step": step})
+
+    def add(self, mode: str, **values: torch.Tensor) -> None:
+        for key, value in values.items():
+            name = f"{mode}/{key}"
+            value = value.detach().float()
+            self.totals[name] = self.totals[name] + value if name in self.totals else value
+
+    def zeros(self, mode: str) -> list[torch.Tensor]:
+        """Every running sum, ``mode``'s not started yet started at 0 (step 1 as step 2 has them: ``train.steady``)."""
+        for key in RUNNING:
+            self.totals.setdefault(f"{mode}/{key}", torch.zeros((), device=self.runtime.device))
+        return list(self.totals.values())
+
+    def read(self, mode: str) -> dict[str, float]:
+        """Host copies of the running device-side sums (a sync: call at logging time only)."""
+        names = [name for name in self.totals if name.startswith(f"{mode}/")]
+        values = torch.stack([self.totals[n] for n in names]).cpu().tolist() if names else []
+        return {n.split("/", 1)[1]: v for n, v in zip(names, values, strict=True)}
+
+    def figures(self, mode: str, step: int) -> dict[str, float]:
+        """What a log adds to the Trainer's: throughput and memory in training, token accuracy in evaluation."""
+        totals = self.read(mode)
+        if mode == "train":
+            return self._throughput(totals, step) | self._memory()
+        if not totals:
+            return {}
+        for name in [n for n in self.totals if n.startswith("eval/")]:
+            del self.totals[name]  # each evaluation reports its own figures
+        return {"eval_token_accuracy": totals["correct"] / max(totals["label_tokens"], 1)}
+
+    def _throughput(self, totals: dict[str, float], step: int) -> dict[str, float]:
+        now = time.perf_counter()
+        if not totals:
+            return {}
+        previous_time, previous = self._last_log or (now, {"step": step})
+        self._last_log = (now, totals | {"step": step})
+        steps = step - previous["step"]
+        delta = {k: totals[k] - previous.get(k, 0.0) for k in totals}
+        out = {"token_accuracy": delta["correct"] / max(delta["label_tokens"], 1)}
+        if steps and now > previous_time:
+            seconds = now - previous_time
+            out |= {
+                "step_time": seconds / steps,
+                "tokens_per_second": delta["tokens"] / seconds,
+                "tokens_per_second_per_device": delta["tokens"] / seconds / self.runtime.num_devices,
+            }
+            if self.runtime.peak_flops and self.flops_per_token:
+                # Padding tokens are computed too: count every position, not only real tokens.
+                positions = steps * self.recipe.train.global_batch_size * self.recipe.data.max_length
+                achieved = positions * self.flops_per_token / seconds / self.runtime.num_devices
+                out["mfu"] = achieved / self.runtime.peak_flops
+        return out
+
+    def _memory(self) -> dict[str, float]:
+        """Per-device memory for the log line: the plan always, the device's figures where it keeps them."""
+        out = {"memory_planned_gib": self.planned_bytes / 2**30} if self.planned_bytes else {}
+        devices = self.runtime.memory_per_device()
+        if devices:
+            out["memory_used_gib"] = max(d["used"] for d in devices) / 2**30
+            out["memory_peak_gib"] = max(d["peak"] for d in devices) / 2**30
+            out["memory_limit_gib"] = min(d["limit"] for d in devices) / 2**30
+        return out

@@ -1,4 +1,4 @@
-"""Step 1 made the steady step, so that the training step compiles once and not twice.
+"""Step 1 made the steady step, so that the training step compiles once and not twice (trap ``first-step-program``).
 
 Left alone, step 1's program differs from every later one, and step 2 compiles the step again (on
 a TPU, minutes more of warm-up for a 3B model). Measured on the tiny recipe with
@@ -72,3 +72,28 @@ def update_in_place(params: Iterable[torch.Tensor]) -> None:
     """An in-place update that changes no value, as the optimizer's own will be."""
     for param in params:
         param.mul_(1.0)
+
+
+def make_step_state(
+    optimizer: Any, trainable: Iterable[torch.Tensor], runtime: Any, strategy: str, *, placeholders: bool = False
+) -> None:
+    """The optimizer's state and the trainable weights as step 1 leaves them (the first and fourth above).
+
+    ``placeholders``: the weights are the TPU compiler's placeholders (``measure.child``), traced and never run.
+    """
+    from lowmem_tpu.xla.sharding import zeros_placed
+
+    optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps ours
+    make_adam_state(optimizer, lambda p: zeros_placed(p, runtime, strategy))
+    if not placeholders:  # a placeholder can be traced, never run
+        update_in_place(trainable)
+
+
+def replicate_running(tensors: Iterable[torch.Tensor], runtime: Any) -> None:
+    """The running sums and the Trainer's loss scalar replicated as a step's outputs are, then all of it run."""
+    from lowmem_tpu.xla import runtime as rt
+    from lowmem_tpu.xla.sharding import replicate
+
+    for tensor in tensors:
+        replicate(tensor, runtime.mesh)
+    rt.sync()

@@ -80,7 +80,7 @@ def replicate(tensor: torch.Tensor, mesh: Any) -> None:
 
 
 def shard_output(output: Any, mesh: Any) -> None:
-    """Shard the model output along the batch; TRL's fused LM head returns ``logits=None``.
+    """Shard the model output along the batch; TRL's fused LM head returns ``logits=None`` (trap ``logits-none``).
 
     The first batch-major tensor (logits, else per-token log-probs) is annotated; a
     scalar-only output (the loss) needs nothing.
@@ -127,8 +127,8 @@ def wrap_model(model: nn.Module, cfg: ShardingSection, runtime: Runtime) -> nn.M
         return FSDPv2(module, *args, **kwargs)
 
     if every and hasattr(model, "enable_input_require_grads"):
-        # torch_xla skips checkpointing a layer whose inputs need no grad: with a frozen
-        # embedding (LoRA) that would be the first layer. Make the embedding output need grad.
+        # Trap ``gradient-checkpointing``: torch_xla skips checkpointing a layer whose inputs need no grad:
+        # with a frozen embedding (LoRA) that would be the first layer. Make the embedding output need grad.
         model.enable_input_require_grads()
     return FSDPv2(
         model,
@@ -144,7 +144,7 @@ def placeholder(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torc
 
     torch_xla 2.9's ``core/xla_builder.create_placeholder_tensor`` (what its ``scan`` traces layer
     bodies with). ``mark_sharding`` refuses it ("Data does not present on any device"), so a program
-    traced with placeholders has their arguments unannotated: ``xla.tpu_compiler`` gives each the
+    traced with placeholders has their arguments unannotated: ``measure.libtpu`` gives each the
     sharding ``place_parameters`` would (``partition_spec`` of its shape).
     """
     import torch_xla.core.xla_builder as xb
@@ -170,7 +170,7 @@ def place_placeholders(model: nn.Module) -> int:
 @contextlib.contextmanager
 def placeholders_unmarked() -> Iterator[None]:
     """While tracing with placeholders: FSDPv2 marks every parameter it finds unsharded, and a
-    placeholder cannot be marked. Its marking is skipped (``xla.tpu_compiler`` gives the argument
+    placeholder cannot be marked. Its marking is skipped (``measure.libtpu`` gives the argument
     the same sharding, FSDPv2's largest-dimension rule); every other ``mark_sharding`` is unchanged."""
     import torch_xla.distributed.spmd as xs
 

@@ -21,8 +21,14 @@ import re
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from lowmem_tpu.config.devices import GENERATIONS, Generation
+from lowmem_tpu.config.devices import GENERATIONS, Generation, device_for
+from lowmem_tpu.config.platform import tpu_present
+from lowmem_tpu.errors import UserError
+
+if TYPE_CHECKING:
+    from lowmem_tpu.config import Recipe
 
 GOOGLE_PCI_VENDOR = "0x1ae0"
 # PCI device id -> generation (v2 and v3 share 0x0027 and differ by subsystem id).
@@ -80,6 +86,19 @@ def _from_accelerator_type(text: str) -> Chips:
         return Chips(None, 0, "none")
     per_chip = 2 if name in ("v2", "v3", "v4", "v5p") else 1  # cores in the name, per chip
     return Chips(generation, max(number // per_chip, 1), "TPU_ACCELERATOR_TYPE")
+
+
+def default_device(recipe: Recipe) -> str:
+    """What to plan for without ``--device``: the recipe's ``runtime.target``, else the TPU here, else ``cpu``."""
+    if recipe.runtime.target:
+        return recipe.runtime.target
+    if recipe.runtime.device == "cpu" or not tpu_present():
+        return "cpu"
+    chips = local_chips()
+    found = device_for(chips.generation.name, chips.xla_devices) if chips.generation else None
+    if found is None:
+        raise UserError("this TPU is not one the planner knows: name one with --device (or set runtime.target)")
+    return found.name
 
 
 def chip_owners(proc: str = "/proc") -> dict[str, int]:
@@ -140,7 +159,7 @@ class HbmMonitor:
     """Samples :func:`hbm_usage` every ``interval`` seconds in a thread; keeps each device's highest.
 
     libtpu reports HBM in use, not its peak: a sampled peak can miss a spike shorter than the
-    interval (the TPU compiler's figure for the step, read by ``memory.measure``, cannot).
+    interval (the TPU compiler's figure for the step, read by ``measure.local``, cannot).
     """
 
     interval: float = 0.25

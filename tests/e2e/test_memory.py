@@ -11,6 +11,7 @@ from cli_runs import memory_cli as cli
 
 from lowmem_tpu.config import load_recipe
 from lowmem_tpu.memory import advise as memory_report
+from lowmem_tpu.model.loading import require_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -61,11 +62,11 @@ def test_compare_on_a_tpu_reads_the_runtime_peak(tmp_path):  # pragma: no cover 
 @pytest.mark.parametrize("quantize", ["int8", "int4"])
 def test_quantized_base_on_the_cpu_compiler_matches_the_planner(quantize):
     """The tiny recipe's real step with a quantized base, compiled for 4 CPU devices: planner vs compiler."""
-    from lowmem_tpu.memory.measure import compile_step
+    from lowmem_tpu.measure.local import compile_step
 
     recipe = load_recipe(ROOT / "recipes/tiny_lora_cpu.yaml", [f"model.quantize={quantize}"])
     measured = compile_step(recipe, 4)
-    planned = memory_report.plan_recipe(recipe, "cpu").plan
+    planned = memory_report.plan_recipe(recipe, "cpu", require_config(recipe)).plan
     assert planned.dequantized > 0
     state = measured.state
     assert planned.weights == state.weights and planned.gradients == state.gradients  # exact, integers included

@@ -46,7 +46,7 @@ def full_run(tmp_path_factory, lora_run):
         "train.optimizer=adafactor",
         "train.gradient_accumulation_steps=2",
         "train.learning_rate=1e-3",
-        "train.fused_lm_head=true",  # TRL's chunked LM head: the model output has logits=None (trap 2)
+        "train.fused_lm_head=true",  # TRL's chunked LM head: the model output has logits=None (trap logits-none)
     )
 
 

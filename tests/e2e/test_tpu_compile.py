@@ -18,7 +18,7 @@ from cli_runs import compiler_cli as cli
 from markers import needs_compiler
 
 from lowmem_tpu.errors import UserError
-from lowmem_tpu.memory import tpu_compile
+from lowmem_tpu.measure import tpu_compile
 
 TINY = "recipes/tiny_lora_cpu.yaml"
 pytestmark = needs_compiler
@@ -62,8 +62,8 @@ def test_placeholders_cost_what_real_weights_cost(tmp_path):
     """The placeholder trace against the same steady step traced with real weights (after one real step)."""
     from lowmem_tpu.config import load_recipe
     from lowmem_tpu.config.devices import DEVICES
-    from lowmem_tpu.memory.compiler import hbm_allocations
-    from lowmem_tpu.memory.measure import spawn_step
+    from lowmem_tpu.measure.buffers import hbm_allocations
+    from lowmem_tpu.measure.local import spawn_step
 
     recipe = load_recipe(TINY, ["train.global_batch_size=16"])
     placeholder = tpu_compile.compile_recipe(recipe, DEVICES["v5e-4"], keep=tmp_path / "placeholders")
@@ -102,8 +102,9 @@ def test_accumulation_compiles_the_micro_batch_with_the_optimizer_state_beside_i
     weights only, and the AdamW state it leaves in HBM is added by the shard rule and the TPU's tiles."""
     from lowmem_tpu.config import load_recipe
     from lowmem_tpu.memory.plan import parameters
-    from lowmem_tpu.memory.shape import require_config, setting_of, shape_of
+    from lowmem_tpu.memory.shape import setting_of, shape_of
     from lowmem_tpu.memory.tiles import tpu_shard_bytes
+    from lowmem_tpu.model.loading import require_config
 
     done = cli("memory", TINY, "train.gradient_accumulation_steps=2", "--compile", "--device", "v5e-8", "--json")
     assert done.returncode == 0, done.stderr[-3000:]
@@ -122,12 +123,12 @@ def test_scan_layers_without_its_extra_is_one_line_before_anything_runs(monkeypa
     def absent(name):
         raise importlib.metadata.PackageNotFoundError(name)
 
-    from lowmem_tpu.xla import extras
+    from lowmem_tpu import preflight
 
     with monkeypatch.context() as patch:
-        patch.setattr(extras.importlib.metadata, "version", absent)
+        patch.setattr(preflight.importlib.metadata, "version", absent)
         with pytest.raises(UserError, match=r"not installed as a package.*make install-scan"):
-            extras.require_scan_extra(load=False)
+            preflight.require_scan_extra(load=False)
     try:
         importlib.metadata.version("torchax")
         pytest.skip("the [scan] extra is installed here: scan_layers traces")
@@ -163,7 +164,7 @@ def test_full_fine_tuning_in_bf16_traces_with_its_fp32_master_weights():
 WATCHED = """
 import sys, threading, torch, torch_xla
 from pathlib import Path
-from lowmem_tpu.memory.trace import ProgramWatcher
+from lowmem_tpu.measure.trace import ProgramWatcher
 from lowmem_tpu.xla.sharding import placeholder
 
 x = placeholder((256, 256), torch.float32)

@@ -72,7 +72,7 @@ def test_tpu_run_records_mfu_and_measured_memory(tmp_path):  # pragma: no cover 
 
 @pytest.mark.tpu
 def test_tpu_compiler_refusal_is_a_result_not_a_crash():  # pragma: no cover - TPU only
-    from lowmem_tpu.memory.measure import compile_step
+    from lowmem_tpu.measure.local import compile_step
 
     overrides = ["runtime.device=tpu", "data.max_length=512", "train.global_batch_size=16384"]
     overrides += ["sharding.activation_checkpointing=false", "data.eval_path=null", "train.eval_samples=0"]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,13 +18,19 @@ MAY_IMPORT = {
     "config": {"config"},
     "model": {"config", "model"},
     "data": {"config", "data"},
-    "xla": {"config", "model", "xla"},
-    "train": {"config", "model", "data", "xla", "train"},
+    "xla": {"config", "model", "xla", "preflight"},
+    "train": {"config", "model", "data", "xla", "train", "preflight"},
     "evaluate": {"data"},
-    "memory": {"config", "model", "xla", "train", "memory"},
+    # The planner: arithmetic on the config and the recipe (the caller reads the model's config).
+    "memory": {"config", "memory"},
+    # The real step traced, compiled or run in subprocesses: it composes the parts that build it.
+    "measure": {"config", "model", "data", "xla", "train", "preflight", "memory", "measure"},
     "publish": {"config", "model", "publish"},
     "doctor": {"config", "xla"},
     "infer": {"config", "model", "data", "xla", "train", "publish", "evaluate", "infer"},
+    # What this machine must have before a command: config and the basics (the platform probe is
+    # config.platform's); the Hub token and the layer class are asked of publish and model, in the function.
+    "preflight": {"config", "model", "publish"},
 }
 BASICS = {"errors", "files", "console", "hosts", "faults"}
 
@@ -61,12 +69,19 @@ def test_torch_xla_is_imported_from_the_xla_folder_only():
     assert offenders == []
 
 
-def test_jax_is_imported_by_the_tpu_compiler_modules_only():
-    """jax (a second XLA beside torch_xla's) is loaded only in the subprocesses of ``memory --compile``."""
-    offenders = [
-        name for name, path in modules().items() if any(m.split(".")[0] in ("jax", "jaxlib") for m in imports(path))
-    ]
-    assert sorted(offenders) == ["lowmem_tpu.xla.pallas", "lowmem_tpu.xla.tpu_compiler"]
+def test_jax_is_imported_by_the_tpu_compiler_and_the_pallas_lowering_only():
+    """jax and jaxlib (a second XLA beside torch_xla's) are imported by exactly two modules, both inside
+    functions (importing either loads no jax), both run only by ``memory --compile``: ``measure.libtpu``, the
+    one module of ``measure`` that imports jax (libtpu's compile-only client, in its own subprocess, never
+    beside torch_xla), and ``xla.pallas``, which makes torch_xla's Pallas kernels lower for a TPU inside the
+    trace's subprocess (it acts on torch_xla's kernel tracing, so it stays in ``xla``)."""
+    jax = ("jax", "jaxlib")
+    offenders = {name: path for name, path in modules().items() if any(m.split(".")[0] in jax for m in imports(path))}
+    assert sorted(offenders) == ["lowmem_tpu.measure.libtpu", "lowmem_tpu.xla.pallas"]
+    at_import = {
+        n for n, p in offenders.items() if any(m.split(".")[0] in jax for m in imports(p, top_level_only=True))
+    }
+    assert at_import == set()
 
 
 def test_each_part_imports_only_what_it_may():
@@ -98,28 +113,13 @@ def test_no_module_is_over_the_size_limit():
     assert long == {}
 
 
-def _runtime_imports(path: Path) -> set[str]:
-    """Every import a module runs, at its top or deferred inside a function (not ``if TYPE_CHECKING:`` ones)."""
-    tree = ast.parse(path.read_text())
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
-            node.body = []
-    found = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            found |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            found |= {node.module, *(f"{node.module}.{alias.name}" for alias in node.names)}
-    return found
-
-
-@pytest.mark.parametrize("deferred", [False, True], ids=["module-level", "deferred-included"])
-def test_imports_have_no_cycle(deferred):
-    """A deferred import must not hide a cycle either (config.schema and config.checks once did)."""
+@pytest.mark.parametrize("every", [False, True], ids=["module-level", "every-import"])
+def test_imports_have_no_cycle(every):
+    """No cycle among module-level imports, nor once every import is an edge: deferred ones inside functions
+    and ``if TYPE_CHECKING:`` ones too (either kind can hide a cycle a module-level graph does not show)."""
     ours = set(modules())
     graph = {
-        name: {m for m in (_runtime_imports(path) if deferred else imports(path, top_level_only=True)) if m in ours}
-        - {name}
+        name: {m for m in imports(path, top_level_only=not every) if m in ours} - {name}
         for name, path in modules().items()
     }
     state: dict[str, str] = {}
@@ -136,6 +136,62 @@ def test_imports_have_no_cycle(deferred):
     for name in sorted(graph):
         if name not in state:
             visit(name, [])
+
+
+HEAVY = ("torch", "torch_xla", "jax", "jaxlib", "transformers")
+
+
+def _reached(start: str) -> dict[str, set[str]]:
+    """Every package outside ours that ``start`` may import at any depth (each import counts: deferred,
+    ``if TYPE_CHECKING:``, and the ``__init__`` of each package on the way), with our modules importing it."""
+    ours = modules()
+    seen, todo, outside = set(), [start], {}
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        parts = name.split(".")
+        todo += [".".join(parts[:i]) for i in range(1, len(parts)) if ".".join(parts[:i]) in ours]
+        for imported in imports(ours[name]):
+            if imported in ours:
+                todo.append(imported)
+            elif imported.split(".")[0] != "lowmem_tpu":
+                outside.setdefault(imported.split(".")[0], set()).add(name)
+    return outside
+
+
+def test_the_planner_reaches_no_torch_xla_jax_or_transformers_at_any_depth():
+    """memory/ is arithmetic on the config and the recipe: no import of it, at any depth (through config or
+    anything else of ours, inside functions included), reaches torch, torch_xla, jax or transformers."""
+    planner = [name for name in modules() if part(name) == "memory"]
+    assert len(planner) > 5
+    heavy = {name: {k: sorted(v) for k, v in _reached(name).items() if k in HEAVY} for name in planner}
+    assert {name: found for name, found in heavy.items() if found} == {}
+
+
+def test_the_planner_imports_with_torch_xla_jax_and_transformers_absent():
+    """Every module of memory/ imports in a Python where torch, torch_xla, jax, jaxlib and transformers cannot
+    be imported (each refused by a finder placed before the others)."""
+    code = f"""
+import importlib, pkgutil, sys
+
+class Refuse:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {HEAVY!r}:
+            raise ImportError(name + " is refused: the planner must not import it")
+
+sys.meta_path.insert(0, Refuse())
+import lowmem_tpu.memory
+
+for info in pkgutil.iter_modules(lowmem_tpu.memory.__path__, "lowmem_tpu.memory."):
+    importlib.import_module(info.name)
+    print(info.name)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    imported = set(done.stdout.split())
+    assert imported == {name for name in modules() if part(name) == "memory" and name != "lowmem_tpu.memory"}
 
 
 def test_every_folder_says_what_it_owns():

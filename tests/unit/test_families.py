@@ -11,7 +11,7 @@ from families import NAMES, WINDOW
 from transformers import AutoModelForCausalLM
 
 from lowmem_tpu.config import ModelSection, load_recipe
-from lowmem_tpu.config.schema import LORA_TARGETS
+from lowmem_tpu.config.model_fields import LORA_TARGETS
 from lowmem_tpu.errors import UserError
 from lowmem_tpu.model import build_base_model, layer_class
 from lowmem_tpu.model.architecture import check_model, lora_targets
@@ -115,13 +115,14 @@ def test_a_target_that_matches_nothing_is_refused_by_validate(stand_ins):
 @pytest.mark.parametrize("name", ["gemma2", "gemma3", "mistral", "phi3"])
 def test_flash_is_refused_where_the_model_windows_or_caps_attention(stand_ins, name):
     from lowmem_tpu.memory.advise import plan_recipe
+    from lowmem_tpu.model.loading import require_config
 
     overrides = [f"model.name_or_path={stand_ins[name]}", "model.attn_implementation=flash", "runtime.target=v5e-8"]
     recipe = load_recipe(None, [*overrides, "runtime.device=tpu", "data.max_length=512"])
     with pytest.raises(UserError, match=r"flash \(torch_xla's Pallas kernel\) has no sliding windows.*use chunked"):
         check_model(recipe)
     with pytest.raises(UserError, match=r"has no sliding windows"):
-        plan_recipe(recipe, "v5e-8")
+        plan_recipe(recipe, "v5e-8", require_config(recipe))
 
 
 REAL_SIZE = {  # hidden, intermediate, layers, vocab: Gemma 2 9B, Mistral 7B, Qwen 2.5 7B, Llama 3.1 8B
@@ -139,6 +140,7 @@ def test_the_advisor_offers_flash_only_where_it_computes_the_model(tmp_path, nam
     from families import family_config
 
     from lowmem_tpu.memory.advise import plan_recipe
+    from lowmem_tpu.model.loading import require_config
 
     hidden, intermediate, layers, vocab = REAL_SIZE[name]
     config = family_config(name) | {"hidden_size": hidden, "intermediate_size": intermediate}
@@ -148,7 +150,7 @@ def test_the_advisor_offers_flash_only_where_it_computes_the_model(tmp_path, nam
     rows = ["data.max_length=8192", "train.global_batch_size=1", "runtime.num_cpu_devices=1", "runtime.target=v5e-1"]
     rows += ["sharding.activation_checkpointing=false"]
     recipe = load_recipe(None, [f"model.name_or_path={tmp_path}", "model.random_init=true", *rows])
-    overrides = [step.override for step in plan_recipe(recipe, "v5e-1").steps]
+    overrides = [step.override for step in plan_recipe(recipe, "v5e-1", require_config(recipe)).steps]
     assert ("model.attn_implementation=flash" in overrides) is flash, overrides
     if name == "gemma2":  # soft-capped logits: the chunked loss does not compute them
         assert "train.chunked_loss=true" not in overrides, overrides
@@ -168,7 +170,8 @@ def test_every_end_of_text_id_the_model_lists_is_kept(stand_ins):
 
 
 def test_the_planner_reads_gemmas_tied_head_and_phis_fused_projections(stand_ins):
-    from lowmem_tpu.memory.shape import require_config, setting_of, shape_of
+    from lowmem_tpu.memory.shape import setting_of, shape_of
+    from lowmem_tpu.model.loading import require_config
 
     for name, tied in (("gemma2", True), ("gemma3_multimodal", True), ("mistral", False)):
         recipe = load_recipe(None, [f"model.name_or_path={stand_ins[name]}"])
@@ -184,7 +187,7 @@ def test_the_vision_tower_is_counted_as_weights_a_text_step_never_reads(stand_in
     import torch
     from transformers import AutoModelForCausalLM
 
-    from lowmem_tpu.memory.step import _idle_weights
+    from lowmem_tpu.measure.child import _idle_weights
 
     model = AutoModelForCausalLM.from_pretrained(stand_ins["gemma3_multimodal"], dtype=torch.float32)
     idle = _idle_weights(model)

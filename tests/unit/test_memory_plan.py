@@ -14,13 +14,15 @@ import pytest
 from cli_runs import memory_cli as cli
 
 from lowmem_tpu.config import load_recipe
-from lowmem_tpu.config.schema import LORA_TARGETS
+from lowmem_tpu.config.model_fields import LORA_TARGETS
 from lowmem_tpu.errors import UserError
+from lowmem_tpu.measure.buffers import live_at_peak, parse_buffer_assignment
+from lowmem_tpu.measure.local import shard_numel
 from lowmem_tpu.memory import advise as memory_report
 from lowmem_tpu.memory import plan as memory
 from lowmem_tpu.memory import shape, tpu_layout
-from lowmem_tpu.memory.compiler import live_at_peak, parse_buffer_assignment
-from lowmem_tpu.memory.measure import shard_numel
+from lowmem_tpu.model.loading import require_config
+from lowmem_tpu.xla.tpu import default_device
 
 ROOT = Path(__file__).resolve().parents[2]
 HEAVY = ("torch", "torch_xla", "transformers", "trl", "peft", "datasets")
@@ -210,7 +212,7 @@ def test_suggestions_stop_when_nothing_is_left():
 
 def test_plan_recipe_has_a_twin_and_the_shipped_configs():
     recipe = load_recipe(ROOT / "recipes/open_llama_lora.yaml")
-    report = memory_report.plan_recipe(recipe, memory_report.default_device(recipe))
+    report = memory_report.plan_recipe(recipe, default_device(recipe), require_config(recipe))
     assert report.plan.setting.lora and not report.twin.setting.lora
     # runtime.target: Kaggle's v5e-8, 15.75 GiB usable per chip (what its compiler reports)
     assert report.device.name == "v5e-8" and report.device.devices == 8
@@ -218,10 +220,8 @@ def test_plan_recipe_has_a_twin_and_the_shipped_configs():
     assert 3.4e9 < report.twin.trainable_parameters < 3.5e9  # Open Llama 3B v2's exact architecture
     assert 25e6 < report.plan.trainable_parameters < 26e6
     assert report.plan.fits
-    seven = memory_report.plan_recipe(
-        load_recipe(ROOT / "recipes/open_llama_full.yaml", ["model.name_or_path=openlm-research/open_llama_7b_v2"]),
-        "v2-8",
-    )
+    full = load_recipe(ROOT / "recipes/open_llama_full.yaml", ["model.name_or_path=openlm-research/open_llama_7b_v2"])
+    seven = memory_report.plan_recipe(full, "v2-8", require_config(full))
     assert 6.7e9 < seven.plan.total_parameters < 6.8e9
     text = memory_report.format_report(report)
     assert "its twin (lora.enabled=false)" in text and "margin for XLA workspace" in text
@@ -246,8 +246,8 @@ def test_accumulation_and_chunked_attention_lower_the_planned_activations():
 def test_a_tpu_plan_carries_no_cpu_compiler_effect():
     """On one CPU device XLA:CPU keeps every layer's attention despite checkpointing; a TPU plan must not."""
     recipe = load_recipe(ROOT / "recipes/open_llama_lora_v5e1.yaml")
-    report = memory_report.plan_recipe(recipe, memory_report.default_device(recipe))
-    st, s = report.plan.setting, shape.shape_of(shape.require_config(recipe))
+    report = memory_report.plan_recipe(recipe, default_device(recipe), require_config(recipe))
+    st, s = report.plan.setting, shape.shape_of(require_config(recipe))
     assert report.device.name == "v5e-1" and st.devices == 1 and st.sequences == 4
     kept = tpu_layout.kept(s, st, True)
     assert kept == int(26 * 3.9 * st.tokens * s.hidden * 2)  # 3.9 hidden-sized tensors per layer on one chip
@@ -267,7 +267,7 @@ def test_every_shipped_open_llama_recipe_fits_its_target():
     ):
         recipe = load_recipe(ROOT / f"recipes/{name}.yaml")
         assert recipe.runtime.target in ("v5e-8", "v5e-1"), name
-        report = memory_report.plan_recipe(recipe, memory_report.default_device(recipe))
+        report = memory_report.plan_recipe(recipe, default_device(recipe), require_config(recipe))
         assert report.plan.fits, name
 
 
@@ -288,7 +288,7 @@ def test_unknown_model_type_and_bad_batch_are_user_errors():
         shape.shape_of(SimpleNamespace(model_type="t5", d_model=512))
     recipe = load_recipe(ROOT / "recipes/tiny_lora_cpu.yaml", ["train.global_batch_size=4"])  # 4 CPU devices
     with pytest.raises(UserError, match="must split evenly over 8 devices"):
-        memory_report.plan_recipe(recipe, "v3-8")
+        memory_report.plan_recipe(recipe, "v3-8", require_config(recipe))
 
 
 # ----------------------------------------------------------------------------- the command line
@@ -439,7 +439,7 @@ def test_quantization_is_suggested_to_lora_only_and_shown_in_the_report():
     seven = ["model.name_or_path=openlm-research/open_llama_7b_v2", "train.global_batch_size=1"]
     seven += ["model.attn_implementation=chunked", "train.chunked_loss=true", "data.max_length=2048"]  # levers on
     recipe = load_recipe(ROOT / "recipes/open_llama_lora.yaml", [*seven, "runtime.num_cpu_devices=1"])
-    report = memory_report.plan_recipe(recipe, "v5e-1")
+    report = memory_report.plan_recipe(recipe, "v5e-1", require_config(recipe))
     assert not report.plan.fits
     overrides = [s.override for s in report.steps]
     assert overrides == ["model.quantize=int8"] and report.steps[-1].plan.fits
@@ -448,7 +448,7 @@ def test_quantization_is_suggested_to_lora_only_and_shown_in_the_report():
     int4 = load_recipe(
         ROOT / "recipes/open_llama_lora.yaml", [*seven, "runtime.num_cpu_devices=1", "model.quantize=int4"]
     )
-    quantized = memory_report.plan_recipe(int4, "v5e-1")
+    quantized = memory_report.plan_recipe(int4, "v5e-1", require_config(int4))
     assert quantized.plan.fits and quantized.twin.setting.quantize == "none" and not quantized.twin.setting.lora
     assert 6.7e9 < quantized.plan.total_parameters < 6.8e9
     text = memory_report.format_report(quantized)
@@ -475,7 +475,7 @@ def test_the_tpu_plan_is_within_ten_percent_of_the_tpu_compiler_on_the_shipped_r
         if name.startswith("tiny") or not record.get("needed"):
             continue
         recipe = load_recipe(ROOT / f"recipes/{name}.yaml", ["runtime.device=tpu"])
-        planned = memory_report.plan_recipe(recipe, device).plan.peak
+        planned = memory_report.plan_recipe(recipe, device, require_config(recipe)).plan.peak
         error = (planned - record["needed"]) / record["needed"]
         (extrapolated if record.get("extrapolated_from") else checked).append((key, error))
     assert len(extrapolated) >= 10, extrapolated  # 7B and 70B QLoRA, the family recipes

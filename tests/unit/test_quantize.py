@@ -16,6 +16,7 @@ from lowmem_tpu.config import RecipeError, load_recipe
 from lowmem_tpu.errors import UserError
 from lowmem_tpu.model.quantize import (
     QuantizedLinear,
+    QuantSpec,
     dequantize_weight,
     logical_parameters,
     quantize_model,
@@ -62,7 +63,7 @@ def test_quantized_linear_is_a_frozen_linear_that_peft_wraps():
 
     torch.manual_seed(0)
     linear = torch.nn.Linear(64, 32, bias=True)
-    layer = QuantizedLinear.like(linear, 4, 32, torch.float32)
+    layer = QuantizedLinear.like(linear, QuantSpec("int4", 32), torch.float32)
     layer.load_weight(linear.weight)
     layer.bias = torch.nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
     x = torch.randn(3, 64)
@@ -81,7 +82,7 @@ def test_quantized_linear_is_a_frozen_linear_that_peft_wraps():
 
 
 @pytest.mark.parametrize("layout", ["safetensors", "bin", "sharded"])
-@pytest.mark.parametrize(("method", "group"), [("int8", 64), ("int4", 32)])
+@pytest.mark.parametrize(("method", "group"), [("int8", 64), ("int4", 32), ("nf4", 32)])
 def test_loading_quantizes_each_tensor_as_read_same_as_quantizing_the_loaded_model(bases, layout, method, group):
     path = bases[layout]
     streamed = load_quantized(path, method, group, False)
@@ -89,7 +90,7 @@ def test_loading_quantizes_each_tensor_as_read_same_as_quantizing_the_loaded_mod
         AutoModelForCausalLM.from_pretrained(bases["safetensors"], dtype=torch.float32, attn_implementation="eager")
         for _ in range(2)
     )
-    assert quantize_model(reference, method, group) == 4 * 7
+    assert quantize_model(reference, QuantSpec(method, group, method == "nf4")) == 4 * 7
     assert isinstance(streamed.model.layers[3].mlp.down_proj, QuantizedLinear)
     assert type(streamed.lm_head) is torch.nn.Linear  # the head stays in full precision by default
     state = dict(streamed.state_dict())

@@ -16,11 +16,11 @@ from cli_runs import compiler_cli as cli
 from markers import needs_compiler
 
 from lowmem_tpu.errors import UserError
-from lowmem_tpu.memory import tpu_compile
-from lowmem_tpu.memory.compiler import out_of_memory
-from lowmem_tpu.memory.tpu_compile import TpuCompile, compile_target
-from lowmem_tpu.memory.tpu_report import cost_bounds, format_compile
-from lowmem_tpu.xla.tpu_compiler import buffer_donors, fsdp_sharding
+from lowmem_tpu.measure import tpu_compile
+from lowmem_tpu.measure.buffers import out_of_memory
+from lowmem_tpu.measure.libtpu import buffer_donors, fsdp_sharding
+from lowmem_tpu.measure.tpu_compile import TpuCompile, compile_target
+from lowmem_tpu.measure.tpu_report import cost_bounds, format_compile
 
 TINY = "recipes/tiny_lora_cpu.yaml"
 pytestmark = needs_compiler
@@ -75,7 +75,7 @@ def test_bad_input_exits_2_with_the_fix(monkeypatch):
 
 def test_a_step_too_big_to_compile_here_is_the_line_through_2_and_4_layers(tmp_path):
     from lowmem_tpu.config import load_recipe
-    from lowmem_tpu.memory.tpu_layers import cut, extrapolate, layers_of
+    from lowmem_tpu.measure.tpu_layers import cut, extrapolate, layers_of
 
     recipe = load_recipe("recipes/open_llama_7b_qlora.yaml", ["runtime.device=tpu"])
     two = cut(recipe, 2, tmp_path)
@@ -101,7 +101,7 @@ def test_a_multimodal_config_is_cut_in_its_text_decoder(tmp_path):
     """Gemma 3 4B as the Hub ships it: the layers are the text_config's, and its per-layer attention list
     (the class fills layer_types in) keeps its first entries."""
     from lowmem_tpu.config import load_recipe
-    from lowmem_tpu.memory.tpu_layers import cut, layers_of
+    from lowmem_tpu.measure.tpu_layers import cut, layers_of
 
     recipe = load_recipe("recipes/gemma3_4b_lora_v5e1.yaml", ["runtime.device=tpu"])
     two = cut(recipe, 2, tmp_path)
@@ -112,7 +112,7 @@ def test_a_multimodal_config_is_cut_in_its_text_decoder(tmp_path):
 
 
 def test_a_compile_past_its_time_is_stopped_and_the_child_never_outlives_the_wait():
-    from lowmem_tpu.memory.tpu_compile import CompileTooLong, _watch
+    from lowmem_tpu.measure.tpu_compile import CompileTooLong, _watch
 
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     with pytest.raises(CompileTooLong, match="took over 1 s"):
@@ -121,7 +121,7 @@ def test_a_compile_past_its_time_is_stopped_and_the_child_never_outlives_the_wai
 
 
 def test_the_program_key_follows_what_the_compiler_does_not_its_prose(tmp_path, monkeypatch):
-    from lowmem_tpu.memory.tpu_compile import compiler_fingerprint
+    from lowmem_tpu.measure.tpu_compile import compiler_fingerprint
 
     source = Path(tpu_compile.tpu_compiler_source()).read_text()
     reworded = tmp_path / "reworded.py"

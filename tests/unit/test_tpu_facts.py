@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from lowmem_tpu.config.devices import GENERATIONS, GiB, generation_of
-from lowmem_tpu.memory.compiler import out_of_memory
+from lowmem_tpu.measure.buffers import out_of_memory
 from lowmem_tpu.model.architecture import flops_per_token
 from lowmem_tpu.xla import tpu
 

@@ -1,7 +1,8 @@
 """The TPU compiler without a TPU: libtpu's compile-only client, reached through jax's topology API.
 
-The only module of the package that imports jax (and only in the subprocess ``main`` starts), so a
-run, ``--help`` and the tests never load a second XLA next to torch_xla's. It compiles one program
+The only module of ``measure`` that imports jax (and only in the subprocess ``main`` starts; the other
+is ``xla.pallas``, inside a trace), so a run, ``--help`` and the tests never load a second XLA next to
+torch_xla's. :mod:`lowmem_tpu.measure.tpu_compile` starts it. It compiles one program
 that torch_xla traced on the CPU backend (the ``*.before_optimizations.hlo.pb`` that
 ``--xla_dump_to`` writes: what torch_xla hands PJRT, shardings and buffer donors included) for a
 TPU topology, and reports what the TPU compiler says about it.
@@ -16,8 +17,8 @@ and are undone here:
   does not exist): each unannotated argument gets the sharding ``place_parameters`` gives a weight
   of that shape, and the count of such arguments must equal the placeholders traced.
 
-    python -m lowmem_tpu.xla.tpu_compiler REQUEST.json RESULT.json
-    python -m lowmem_tpu.xla.tpu_compiler --probe RESULT.json    (one tiny compile for v5e:1x1: doctor)
+    python -m lowmem_tpu.measure.libtpu REQUEST.json RESULT.json
+    python -m lowmem_tpu.measure.libtpu --probe RESULT.json    (one tiny compile for v5e:1x1: doctor)
 """
 
 from __future__ import annotations

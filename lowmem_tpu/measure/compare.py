@@ -13,14 +13,15 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from lowmem_tpu.config import Recipe
+from lowmem_tpu.config import Recipe, with_overrides
 from lowmem_tpu.config.devices import DEVICES
 from lowmem_tpu.config.platform import on_tpu
 from lowmem_tpu.console import size
-from lowmem_tpu.memory import measure
+from lowmem_tpu.measure import local
 from lowmem_tpu.memory.advise import plan_json
 from lowmem_tpu.memory.plan import Plan, plan_setting
-from lowmem_tpu.memory.shape import require_config, setting_of, shape_of
+from lowmem_tpu.memory.shape import setting_of, shape_of
+from lowmem_tpu.model.loading import require_config
 
 SEGMENTS = ("weights", "optimizer", "gradients", "step temporaries")
 COLORS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52")
@@ -35,7 +36,7 @@ def _measured(recipe: Recipe, steps: int, run: bool = True) -> dict[str, Any]:
     """
     tpu = on_tpu(recipe.runtime.device)
     platform = "TPU" if tpu else "CPU"
-    step = measure.compile_step(recipe, recipe.runtime.num_cpu_devices, platform=platform)
+    step = local.compile_step(recipe, recipe.runtime.num_cpu_devices, platform=platform)
     compiler = step.compiler.total_bytes if step.compiler else None
     out: dict[str, Any] = {
         "compiler_peak": compiler,
@@ -55,7 +56,7 @@ def _measured(recipe: Recipe, steps: int, run: bool = True) -> dict[str, Any]:
     if step.missing:
         source = f"{platform} compiler: {step.missing}"
     if tpu and run and step.out_of_memory is None:
-        run = measure.run_steps(recipe, steps)
+        run = local.run_steps(recipe, steps)
         out |= {"tokens_per_second": run.tokens_per_second, "runtime_peak": run.peak_bytes, "kind": run.device_kind}
         out |= {"per_device": run.per_device, "runtime_error": run.memory_error}
         state, peak = run.state, run.peak_bytes or compiler
@@ -133,7 +134,7 @@ def compare_recipe(recipe: Recipe, steps: int, out: Path) -> dict[str, Any]:
     for name, enabled in (("lora", True), ("full", False)):
         # Full fine-tuning trains the base itself: a quantized (QLoRA) recipe's twin is unquantized.
         unquantized = [] if enabled else ["model.quantize=none"]
-        variant = measure.load_recipe_text(recipe, [f"lora.enabled={str(enabled).lower()}", *unquantized])
+        variant = with_overrides(recipe, [f"lora.enabled={str(enabled).lower()}", *unquantized])
         measured = _measured(variant, steps)
         layout = "tpu" if on_tpu(variant.runtime.device) else "cpu"
         setting = setting_of(variant, measured["devices"])

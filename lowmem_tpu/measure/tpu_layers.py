@@ -17,10 +17,10 @@ from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
-from lowmem_tpu.config import Recipe
+from lowmem_tpu.config import Recipe, with_overrides
 from lowmem_tpu.config.devices import Device
 from lowmem_tpu.errors import UserError
-from lowmem_tpu.memory.tpu_compile import (
+from lowmem_tpu.measure.tpu_compile import (
     CompileTooLong,
     HostMemoryExhausted,
     TpuCompile,
@@ -48,8 +48,6 @@ def cut(recipe: Recipe, layers: int, work: Path) -> Recipe:
     A multimodal config's text decoder is cut; a per-layer attention list (Gemma's ``layer_types``) keeps
     its first ``layers`` entries.
     """
-    from lowmem_tpu.memory.measure import load_recipe_text
-
     config = _config(recipe)
     text = dict(config.get("text_config", config))
     text["num_hidden_layers"] = layers
@@ -59,7 +57,7 @@ def cut(recipe: Recipe, layers: int, work: Path) -> Recipe:
     where = work / f"layers-{layers}"
     where.mkdir(parents=True, exist_ok=True)
     (where / "config.json").write_text(json.dumps(config))
-    return load_recipe_text(recipe, [f"model.name_or_path={where}"])
+    return with_overrides(recipe, [f"model.name_or_path={where}"])
 
 
 def trace_cut(recipe: Recipe, device: Device, layers: int, work: Path, timeout: float) -> TracedStep:
@@ -126,7 +124,7 @@ def compile_or_extrapolate(
 
 
 def _config(recipe: Recipe) -> dict[str, Any]:
-    from lowmem_tpu.memory.shape import require_config
+    from lowmem_tpu.model.loading import require_config
 
     config = require_config(recipe)
     return config.to_dict() if hasattr(config, "to_dict") else dict(vars(config))

@@ -1,7 +1,7 @@
-"""Measured memory of the real training step, per device.
+"""Measured memory of the real training step on the devices here (XLA:CPU's, or a TPU's), per device.
 
 :func:`compile_step` *compiles* the step without running it: a subprocess
-(:mod:`lowmem_tpu.memory.step`; one per device count, since ``CPU_NUM_DEVICES`` and
+(:mod:`lowmem_tpu.measure.child`; one per device count, since ``CPU_NUM_DEVICES`` and
 ``XLA_FLAGS`` are read when torch_xla starts) builds the recipe's real training step (model,
 LoRA, ``sharding.place_parameters``, ``sharding.wrap_model``, ``trainer.XlaSFTTrainer``), lets
 the trainer trace one step and hands it to XLA. The compiler (the CPU's, or the TPU's on a TPU)
@@ -11,7 +11,8 @@ compiler refuses (RESOURCE_EXHAUSTED) comes back as :class:`OutOfMemory`, not as
 Persistent state (weights, gradients, optimizer) is read from the sharded tensors themselves.
 
 :func:`run_steps` runs N real steps on a TPU and reads HBM per device from libtpu's runtime
-metrics (``xm.get_memory_info`` refuses the SPMD virtual device: see ``xla/tpu.py``).
+metrics (``xm.get_memory_info`` refuses the SPMD virtual device: see ``xla/tpu.py``). :func:`spawn_step`
+starts the child for both, and for ``tpu_compile``'s trace.
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lowmem_tpu.config import Recipe
+from lowmem_tpu.config import Recipe, with_overrides
 from lowmem_tpu.errors import UserError
-from lowmem_tpu.memory.compiler import CompilerFigures, OutOfMemory, dump_flags, largest_program
+from lowmem_tpu.measure.buffers import CompilerFigures, OutOfMemory, dump_flags, largest_program
 
 # ----------------------------------------------------------------------------- shard sizes
 
@@ -116,12 +117,12 @@ USER_ERROR = "user_error.txt"  # beside the child's result: a UserError's messag
 def spawn_step(
     kind: str, recipe: Recipe, overrides: list[str], steps: int, env: dict[str, str], timeout: float
 ) -> dict[str, Any]:
-    """Run :mod:`lowmem_tpu.memory.step` in a fresh Python (torch_xla reads its device settings once, at start-up)."""
-    load_recipe_text(recipe, overrides)  # a recipe that cannot run this way fails here, not in the child
+    """Run :mod:`lowmem_tpu.measure.child` in a fresh Python (torch_xla reads its device settings once, at start-up)."""
+    with_overrides(recipe, overrides)  # a recipe that cannot run this way fails here, not in the child
     with tempfile.TemporaryDirectory(prefix="lowmem-measure-") as tmp:
         work = Path(tmp)
         (work / "recipe.yaml").write_text(recipe.to_yaml())
-        command = [sys.executable, "-m", "lowmem_tpu.memory.step", kind, str(work / "recipe.yaml"), str(steps)]
+        command = [sys.executable, "-m", "lowmem_tpu.measure.child", kind, str(work / "recipe.yaml"), str(steps)]
         command += [str(work / "result.json"), *overrides, f"output_dir={work / 'out'}"]  # the Trainer writes there
         env = os.environ | {"TF_CPP_MIN_LOG_LEVEL": "2", "HF_HUB_OFFLINE": "1"} | env
         what = "compiling the step" if kind == "compile" else f"running {steps} steps"
@@ -235,12 +236,3 @@ def run_steps(recipe: Recipe, steps: int, timeout: float = 7200) -> TpuRun:
 def with_user_flags(flags: str) -> str:
     """``flags`` after the user's own XLA_FLAGS (added to, never replaced; a later flag wins in XLA)."""
     return f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()
-
-
-def load_recipe_text(recipe: Recipe, overrides: list[str]) -> Recipe:
-    """``recipe`` re-validated with ``overrides`` applied (e.g. another device count)."""
-    import yaml
-
-    from lowmem_tpu.config import apply_overrides, validate_recipe
-
-    return validate_recipe(apply_overrides(yaml.safe_load(recipe.to_yaml()), overrides))

@@ -1,12 +1,12 @@
-"""The subprocess of :mod:`lowmem_tpu.memory.measure`: the recipe's real training step, built sharded.
+"""The subprocess of :mod:`lowmem_tpu.measure.local`: the recipe's real training step, built sharded.
 
 ``compile`` traces the step, hands it to XLA and exits before it executes (the compiler writes
 its buffer assignment for one device's partition); ``trace`` traces the steady step with no weights
-behind it (:mod:`lowmem_tpu.memory.trace`) and leaves the program for the TPU compiler; ``run``
+behind it (:mod:`lowmem_tpu.measure.trace`) and leaves the program for the TPU compiler; ``run``
 runs N real steps and reads what the devices report. Either way a program the TPU compiler refuses
 (RESOURCE_EXHAUSTED) is a result: its figures are recorded, the process exits cleanly.
 
-    python -m lowmem_tpu.memory.step {compile|trace|run} RECIPE.yaml STEPS RESULT.json [OVERRIDES...]
+    python -m lowmem_tpu.measure.child {compile|trace|run} RECIPE.yaml STEPS RESULT.json [OVERRIDES...]
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from lowmem_tpu.config import Recipe, load_recipe
+from lowmem_tpu.config import Recipe, load_recipe, with_fields
 from lowmem_tpu.errors import UserError
-from lowmem_tpu.memory.compiler import out_of_memory
-from lowmem_tpu.memory.measure import USER_ERROR, persistent_state
+from lowmem_tpu.measure.buffers import out_of_memory
+from lowmem_tpu.measure.local import USER_ERROR, persistent_state
 
 
 def build_sharded_model(recipe: Recipe, runtime: Any) -> Any:
@@ -38,8 +38,8 @@ def build_sharded_model(recipe: Recipe, runtime: Any) -> Any:
     """
     import torch
 
-    from lowmem_tpu.memory.shape import require_config
     from lowmem_tpu.model import apply_lora, load_config, meta_model
+    from lowmem_tpu.model.loading import require_config
     from lowmem_tpu.xla.sharding import place_parameters
 
     config = load_config(recipe.model, offline=True) or require_config(recipe)
@@ -166,7 +166,7 @@ def _trace_hook(record: dict[str, Any], result: Path) -> Any:
     """The trainer callback of a ``trace``: optimizer state made before step 1, the step's program kept."""
     from transformers import TrainerCallback
 
-    from lowmem_tpu.memory.trace import ProgramWatcher, prefill_optimizer_state, resident_tensors
+    from lowmem_tpu.measure.trace import ProgramWatcher, prefill_optimizer_state, resident_tensors
     from lowmem_tpu.xla import runtime as rt
 
     dump = Path(os.environ["LOWMEM_DUMP_DIR"])
@@ -220,7 +220,7 @@ def _idle_weights(model: Any) -> Any:
 def _trace(recipe: Recipe, runtime: Any, micro: int, record: dict[str, Any], result: Path) -> None:
     import torch
 
-    from lowmem_tpu.memory.trace import placeholder_model, resident_tensors
+    from lowmem_tpu.measure.trace import placeholder_model, resident_tensors
     from lowmem_tpu.xla.sharding import placeholder, placeholders_unmarked
 
     if recipe.model.attn_implementation == "flash":
@@ -258,12 +258,6 @@ def _trace(recipe: Recipe, runtime: Any, micro: int, record: dict[str, Any], res
     raise RuntimeError("the step's program was not handed to the compiler")
 
 
-def _on_cpu(recipe: Recipe, devices: int) -> Recipe:
-    """The recipe, validated as the TPU run it stands for, traced on ``devices`` CPU devices instead."""
-    runtime = recipe.runtime.model_copy(update={"device": "cpu", "num_cpu_devices": devices})
-    return recipe.model_copy(update={"runtime": runtime})
-
-
 def _child(kind: str, recipe_path: str, steps: int, result: Path, overrides: list[str]) -> None:
     """The subprocess: ``compile`` traces the real step and compiles it, ``run`` runs ``steps`` real steps.
 
@@ -274,9 +268,10 @@ def _child(kind: str, recipe_path: str, steps: int, result: Path, overrides: lis
     from lowmem_tpu.xla import runtime as rt
 
     recipe = load_recipe(recipe_path, [*overrides, f"train.max_steps={steps}", "train.eval_steps=null"])
-    if kind == "trace":
-        recipe = _on_cpu(recipe, int(os.environ["LOWMEM_TRACE_CPU_DEVICES"]))
-    runtime = rt.setup_runtime(recipe.runtime)
+    devices = recipe.runtime
+    if kind == "trace":  # the recipe stays the TPU run it stands for; its step is traced on CPU devices instead
+        devices = with_fields(devices, device="cpu", num_cpu_devices=int(os.environ["LOWMEM_TRACE_CPU_DEVICES"]))
+    runtime = rt.setup_runtime(devices)
     micro = micro_batch_size(recipe, runtime.num_devices)
     record: dict[str, Any] = {"num_devices": runtime.num_devices, "micro_batch_size": micro, "step": steps}
     record["device_kind"] = runtime.kind
@@ -302,9 +297,9 @@ def _child(kind: str, recipe_path: str, steps: int, result: Path, overrides: lis
     result.write_text(json.dumps(record))
 
 
-if __name__ == "__main__":  # the subprocess of measure.compile_step and measure.run_steps
+if __name__ == "__main__":  # the subprocess of local.compile_step, local.run_steps and tpu_compile.trace_step
     try:
         _child(sys.argv[1], sys.argv[2], int(sys.argv[3]), Path(sys.argv[4]), sys.argv[5:])
-    except UserError as err:  # the parent says it as its own (measure.spawn_step): no child's traceback
+    except UserError as err:  # the parent says it as its own (local.spawn_step): no child's traceback
         Path(sys.argv[4]).with_name(USER_ERROR).write_text(str(err))
         sys.exit(2)

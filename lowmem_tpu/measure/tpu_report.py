@@ -1,15 +1,15 @@
-"""What ``memory --compile`` reports: the TPU compiler's cost of the step as bounds, the JSON, the text."""
+"""What ``memory --compile`` reports: the TPU compiler's cost of the step as bounds, the JSON, the text,
+and the planner's figures beside the compiler's (:func:`compile_beside_plan`)."""
 
 from __future__ import annotations
 
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from lowmem_tpu.config import Recipe
 from lowmem_tpu.config.devices import DEVICES
 from lowmem_tpu.console import size
-
-if TYPE_CHECKING:  # the figures' type only: tpu_compile imports this module to report
-    from lowmem_tpu.memory.tpu_compile import TpuCompile
+from lowmem_tpu.measure.tpu_compile import TpuCompile, compile_recipe, compile_target
 
 # ----------------------------------------------------------------------------- the step's cost
 
@@ -122,3 +122,45 @@ def format_compile(result: TpuCompile, planned_peak: int | None, cost: dict[str,
         lines.append(f"  next: {advice}")
     lines.append("  (the TPU compiler's verdict on the program traced on the CPU backend, not a run on a TPU)")
     return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- beside the plan
+
+
+def compile_beside_plan(
+    recipe: Recipe, device_name: str, result: TpuCompile | None = None
+) -> tuple[TpuCompile, dict[str, Any], str]:
+    """``memory --compile``: the compiler's figures, their JSON (the plan and cost beside them), the report.
+
+    ``result``: figures compiled already (the recipes script), else the step is traced and compiled now.
+    """
+    from dataclasses import replace
+
+    from lowmem_tpu.memory.advise import next_steps, plan_recipe, together
+    from lowmem_tpu.memory.plan import plan_setting
+    from lowmem_tpu.memory.shape import shape_of
+    from lowmem_tpu.model.architecture import flops_per_token
+    from lowmem_tpu.model.loading import require_config
+
+    device = compile_target(device_name)
+    config = require_config(recipe)
+    report = plan_recipe(recipe, device.name, config)  # also refuses a batch the chips do not split
+    result = result or compile_recipe(recipe, device)
+    plan = report.plan
+    tokens = recipe.train.global_batch_size * recipe.data.max_length
+    per_token = flops_per_token(
+        config, plan.total_parameters, plan.trainable_parameters, recipe.data.max_length, recipe.lora.enabled
+    )
+    cost = cost_bounds(result, per_token * tokens / device.devices, recipe.sharding.scan_layers)
+    advice = None
+    if not result.fits and result.error is None and result.needed:
+        # The planner, told the compiler's verdict: its capacity scaled by how far apart they are.
+        shape = shape_of(config)
+        scaled = int(plan.capacity * plan.peak / result.needed)
+        steps = next_steps(shape, plan_setting(shape, replace(plan.setting), plan.layout, scaled))
+        if steps and steps[-1].plan.fits:  # the whole chain: one step may not be enough (full FT on one chip)
+            advice = together(steps) + " (the planner's steps until it fits, then --compile again)"
+        else:
+            advice = "a larger TPU or a smaller model (nothing in the recipe makes it fit, per the planner)"
+    out = compile_json(result, plan.peak, cost) | ({"next_step": advice} if advice else {})
+    return result, out, format_compile(result, plan.peak, cost, advice)

@@ -1,9 +1,9 @@
 """``lowmem-tpu memory --compile``: the TPU compiler's verdict on the recipe's real step, without a TPU.
 
-Two subprocesses, one per XLA: :mod:`lowmem_tpu.memory.step` ``trace`` traces the steady training
+Two subprocesses, one per XLA: :mod:`lowmem_tpu.measure.child` ``trace`` traces the steady training
 step on as many CPU devices as the target has chips, with placeholders for every weight and
-optimizer tensor (:mod:`lowmem_tpu.memory.trace`), and leaves the program torch_xla hands PJRT;
-:mod:`lowmem_tpu.xla.tpu_compiler` compiles that program with libtpu's compile-only client for the
+optimizer tensor (:mod:`lowmem_tpu.measure.trace`), and leaves the program torch_xla hands PJRT;
+:mod:`lowmem_tpu.measure.libtpu` compiles that program with libtpu's compile-only client for the
 target's topology. The figures are the TPU compiler's for one chip's partition: what a TPU would
 allocate for this program, not a run (nothing executes; a real run also holds the runtime's own
 buffers, and XLA may schedule a program it compiled on a TPU differently at run time).
@@ -28,7 +28,7 @@ from lowmem_tpu.config import Recipe
 from lowmem_tpu.config.devices import DEVICES, Device, host_memory, meminfo
 from lowmem_tpu.console import size
 from lowmem_tpu.errors import UserError
-from lowmem_tpu.memory.compiler import OutOfMemory, hbm_allocations, out_of_memory
+from lowmem_tpu.measure.buffers import OutOfMemory, hbm_allocations, out_of_memory
 from lowmem_tpu.memory.tiles import tpu_shard_bytes
 
 EXTRA = 'pip install -c constraints.txt -e ".[compiler]"'
@@ -103,7 +103,7 @@ def require_compiler() -> None:
 class TracedStep:
     """The steady step torch_xla handed the CPU backend, ready for the TPU compiler."""
 
-    request: dict[str, Any]  # what xla.tpu_compiler reads: the module, the topology, the placeholders
+    request: dict[str, Any]  # what measure.libtpu reads: the module, the topology, the placeholders
     trace_seconds: float
     host_peak_rss_bytes: int
     key: str  # the program, the target, libtpu and our compile step: equal keys compile alike
@@ -114,11 +114,9 @@ class TracedStep:
 
 def trace_step(recipe: Recipe, device: Device, work: Path, timeout: float = 3600) -> TracedStep:
     """Trace the recipe's steady step on ``device.devices`` CPU devices, weights as placeholders, into ``work``."""
-    from lowmem_tpu.memory.measure import spawn_step, with_user_flags
-    from lowmem_tpu.xla.extras import require_scan_extra
+    from lowmem_tpu.measure.local import spawn_step, with_user_flags
 
-    n = device.devices
-    require_scan_extra(recipe.sharding.scan_layers, load=False)  # before a child fails on it
+    n = device.devices  # the [scan] extra: the command's preflight (a child without it says so, as a UserError)
     dump = work / "trace"
     dump.mkdir(parents=True, exist_ok=True)
     # Checked as the TPU run it stands for (flash is a TPU field); the child traces it on the CPU.
@@ -217,7 +215,7 @@ def compile_recipe(recipe: Recipe, device: Device, timeout: float = 3600, keep: 
 
 
 def compiler_fingerprint() -> bytes:
-    """The compile step as code: ``tpu_compiler.py``'s syntax tree without its docstrings, so editing its
+    """The compile step as code: ``libtpu.py``'s syntax tree without its docstrings, so editing its
     prose or layout recompiles no recorded program, and any change to what it does recompiles all of them."""
     import ast
 
@@ -231,9 +229,8 @@ def compiler_fingerprint() -> bytes:
 
 
 def tpu_compiler_source() -> str:
-    import lowmem_tpu.xla
-
-    return str(Path(lowmem_tpu.xla.__file__).with_name("tpu_compiler.py"))
+    """The file of :mod:`lowmem_tpu.measure.libtpu`, the TPU compiler's subprocess (beside this module)."""
+    return str(Path(__file__).with_name("libtpu.py"))
 
 
 def _package_version(name: str) -> str:
@@ -244,10 +241,10 @@ def _package_version(name: str) -> str:
 
 
 def _compile(request: dict[str, Any], work: Path, dump: Path, timeout: float) -> dict[str, Any]:
-    """:mod:`lowmem_tpu.xla.tpu_compiler` in a subprocess, stopped before it exhausts the host's RAM."""
+    """:mod:`lowmem_tpu.measure.libtpu` in a subprocess, stopped before it exhausts the host's RAM."""
     (work / "request.json").write_text(json.dumps(request))
-    command = [sys.executable, "-m", "lowmem_tpu.xla.tpu_compiler", str(work / "request.json"), str(work / "tpu.json")]
-    from lowmem_tpu.memory.measure import with_user_flags
+    command = [sys.executable, "-m", "lowmem_tpu.measure.libtpu", str(work / "request.json"), str(work / "tpu.json")]
+    from lowmem_tpu.measure.local import with_user_flags
     from lowmem_tpu.xla.runtime import with_libtpu_flags
 
     env = os.environ | {"XLA_FLAGS": with_user_flags(f"--xla_dump_to={dump}"), "TF_CPP_MIN_LOG_LEVEL": "3"}
@@ -326,45 +323,3 @@ def buffer_assignment(dump: Path) -> Path:
     if not found:
         raise UserError("the TPU compiler wrote no buffer assignment (XLA_FLAGS --xla_dump_to was not honoured)")
     return found[-1]
-
-
-# ----------------------------------------------------------------------------- beside the plan
-
-
-def compile_beside_plan(
-    recipe: Recipe, device_name: str, result: TpuCompile | None = None
-) -> tuple[TpuCompile, dict[str, Any], str]:
-    """``memory --compile``: the compiler's figures, their JSON (the plan and cost beside them), the report.
-
-    ``result``: figures compiled already (the recipes script), else the step is traced and compiled now.
-    """
-    from dataclasses import replace
-
-    from lowmem_tpu.memory.advise import next_steps, plan_recipe, together
-    from lowmem_tpu.memory.plan import plan_setting
-    from lowmem_tpu.memory.shape import require_config, shape_of
-    from lowmem_tpu.memory.tpu_report import compile_json, cost_bounds, format_compile
-    from lowmem_tpu.model.architecture import flops_per_token
-
-    device = compile_target(device_name)
-    config = require_config(recipe)
-    report = plan_recipe(recipe, device.name, config)  # also refuses a batch the chips do not split
-    result = result or compile_recipe(recipe, device)
-    plan = report.plan
-    tokens = recipe.train.global_batch_size * recipe.data.max_length
-    per_token = flops_per_token(
-        config, plan.total_parameters, plan.trainable_parameters, recipe.data.max_length, recipe.lora.enabled
-    )
-    cost = cost_bounds(result, per_token * tokens / device.devices, recipe.sharding.scan_layers)
-    advice = None
-    if not result.fits and result.error is None and result.needed:
-        # The planner, told the compiler's verdict: its capacity scaled by how far apart they are.
-        shape = shape_of(config)
-        scaled = int(plan.capacity * plan.peak / result.needed)
-        steps = next_steps(shape, plan_setting(shape, replace(plan.setting), plan.layout, scaled))
-        if steps and steps[-1].plan.fits:  # the whole chain: one step may not be enough (full FT on one chip)
-            advice = together(steps) + " (the planner's steps until it fits, then --compile again)"
-        else:
-            advice = "a larger TPU or a smaller model (nothing in the recipe makes it fit, per the planner)"
-    out = compile_json(result, plan.peak, cost) | ({"next_step": advice} if advice else {})
-    return result, out, format_compile(result, plan.peak, cost, advice)

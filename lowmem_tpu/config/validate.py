@@ -1,4 +1,7 @@
-"""Validation with messages a person can act on: every problem as ``dotted.path: message``, at once."""
+"""The one way a recipe is validated: pydantic's field checks and the cross-field rules (``config.checks``),
+every problem at once as ``dotted.path: message``. It reads the recipe only, never the machine
+(``lowmem_tpu.preflight`` asks what this machine must have).
+"""
 
 from __future__ import annotations
 
@@ -7,8 +10,9 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from lowmem_tpu.config.checks import cross_problems
-from lowmem_tpu.config.schema import DEFER_CROSS_CHECKS, Recipe, RecipeError
+from lowmem_tpu.config.checks import CROSS_FIELDS
+from lowmem_tpu.config.schema import Recipe
+from lowmem_tpu.config.section import RecipeError
 
 
 def _section(keys: tuple[str, ...]) -> type[BaseModel] | None:
@@ -136,13 +140,16 @@ def validate_recipe(data: dict[str, Any]) -> Recipe:
     recipe = None
     for _ in range(4):  # a second pass normally succeeds; the bound guards against surprises
         try:
-            recipe = Recipe.model_validate(data, context={DEFER_CROSS_CHECKS: True})
+            recipe = Recipe.model_validate(data)
             break
         except ValidationError as err:
             grouped: dict[tuple[str, ...], list[tuple[tuple[Any, ...], dict[str, Any]]]] = {}
             for error in err.errors():
                 keys, rest = _split_loc(tuple(error["loc"]))
-                if keys:
+                if error["type"] == CROSS_FIELDS:  # every field valid: the rules across fields (config.checks)
+                    cross = error["ctx"]["problems"]
+                    problems.extend(message for fields, message in cross if not _involves(fields, removed))
+                elif keys:
                     grouped.setdefault(keys, []).append((rest, error))
                 else:
                     problems.extend(_message(error).splitlines())
@@ -152,8 +159,6 @@ def validate_recipe(data: dict[str, Any]) -> Recipe:
                 problems.extend(_describe(keys, errors))
                 removed.append(keys)
                 data = _without(data, keys)
-    if recipe is not None:
-        problems.extend(message for fields, message in cross_problems(recipe) if not _involves(fields, removed))
     if problems or recipe is None:
         raise RecipeError(list(dict.fromkeys(problems)) or ["recipe: invalid"])
     return recipe
