@@ -15,7 +15,9 @@ import hashlib
 import importlib.metadata
 import importlib.util
 import json
+import math
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -64,6 +66,9 @@ class TpuCompile:
     generated_code: int = 0
     cost: dict[str, float] = field(default_factory=dict)
     compiler_stats: dict[str, int] = field(default_factory=dict)  # get_compiled_memory_stats(), as reported
+    # Bytes the optimized program's all-gathers produce on one chip, by element type, each instruction once
+    # (a loop body's counted once): a quantized base gathers its packed u8 weights, never bf16/f32 ones.
+    gathered: dict[str, int] = field(default_factory=dict)
     refused: OutOfMemory | None = None
     error: str | None = None
     extrapolated_from: tuple[int, ...] = ()  # layer counts compiled, when the whole step was too big to compile here
@@ -203,6 +208,7 @@ def compile_traced(traced: TracedStep, device: Device, work: Path, timeout: floa
         generated_code=stats["generated_code_size_in_bytes"],
         cost=compiled.get("cost", {}),
         compiler_stats=stats,
+        gathered=all_gather_bytes(optimized_program(tpu_dir)),
     )
 
 
@@ -316,6 +322,25 @@ def _rss(pid: int) -> int:
     except OSError:
         pass
     return 0
+
+
+ALL_GATHER = re.compile(r"= (\w+)\[([\d,]*)\]\S* all-gather(?:-start)?\(")
+ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f32": 4}
+
+
+def all_gather_bytes(program: str) -> dict[str, int]:
+    """Bytes of every all-gather's result in an optimized HLO text, by element type (one chip's view)."""
+    totals: dict[str, int] = {}
+    for dtype, dims in ALL_GATHER.findall(program):
+        count = math.prod(int(d) for d in dims.split(",") if d)
+        totals[dtype] = totals.get(dtype, 0) + count * ITEMSIZE.get(dtype, 8)
+    return dict(sorted(totals.items()))
+
+
+def optimized_program(dump: Path) -> str:
+    """The largest optimized HLO text the compiler dumped (the step's program), or "" if none."""
+    found = sorted(dump.glob("*after_optimizations.txt"), key=lambda p: p.stat().st_size)
+    return found[-1].read_text() if found else ""
 
 
 def buffer_assignment(dump: Path) -> Path:

@@ -111,6 +111,7 @@ def wrap_model(model: nn.Module, cfg: ShardingSection, runtime: Runtime) -> nn.M
     from torch_xla.distributed.fsdp.wrap import transformer_auto_wrap_policy
     from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel as FSDPv2
 
+    gather_packed(model, runtime.mesh)
     layer = layer_class(model, cfg.layer_class)
     every = cfg.checkpoint_every
     if cfg.scan_layers:
@@ -137,6 +138,28 @@ def wrap_model(model: nn.Module, cfg: ShardingSection, runtime: Runtime) -> nn.M
         auto_wrap_policy=policy,
         auto_wrapper_callable=wrap_layer,
     )
+
+
+def gather_packed(model: nn.Module, mesh: Any) -> int:
+    """Make each quantized layer gather its packed weight and scales whole before dequantizing.
+
+    Left to itself the SPMD partitioner dequantizes each chip's shard and all-gathers the result (a bf16 or
+    fp32 weight, 4-8x the bytes). A replicated sharding annotation on the packed tensors, as used, moves the
+    all-gather onto them. ``annotate_custom_sharding`` (torch_xla 2.9, ``distributed/spmd/xla_sharding.py``)
+    annotates an IR value without touching the placed data; it is given a copy (``* 1``, folded by XLA), so
+    the parameter itself keeps its sharding. Returns how many layers gather packed.
+    """
+    import torch_xla.distributed.spmd as xs
+
+    from lowmem_tpu.model.quantize import QuantizedLinear
+
+    def whole(tensor: torch.Tensor) -> torch.Tensor:
+        return xs.annotate_custom_sharding(tensor * 1, mesh, (None,) * tensor.dim()).global_tensor
+
+    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    for layer in layers:
+        layer.gather = whole
+    return len(layers)
 
 
 def placeholder(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:

@@ -190,3 +190,22 @@ def test_a_traced_program_on_placeholders_is_taken_and_never_runs(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["refused", "True"]
+
+
+@pytest.mark.parametrize("method", ["int4", "nf4"])
+def test_a_quantized_base_is_gathered_packed_then_dequantized(tmp_path, method):
+    """The all-gathers of the TPU compiler's program move the packed u8 weights (and their scales), never a
+    dequantized bf16/f32 decoder weight: the tiny model's projections are [128, 128], [256, 128], [128, 256]."""
+    import re
+
+    from lowmem_tpu.config import load_recipe
+    from lowmem_tpu.config.devices import DEVICES
+
+    overrides = [f"model.quantize={method}", "model.quantize_group_size=32", "runtime.device=auto"]
+    result = tpu_compile.compile_recipe(load_recipe(TINY, overrides), DEVICES["v5e-8"], keep=tmp_path)
+    program = tpu_compile.optimized_program(tmp_path / "tpu")
+    gathered = re.findall(r"= (\w+)\[([\d,]*)\]\S* all-gather(?:-start)?\(", program)
+    weights = {"128,128", "256,128", "128,256"}
+    assert gathered and not [(t, d) for t, d in gathered if t in ("bf16", "f32") and d in weights]
+    assert {d for t, d in gathered if t == "u8"} >= {"128,64", "256,64", "128,128"}  # packed: two weights a byte
+    assert result.fits and result.gathered["u8"] > 0
