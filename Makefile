@@ -42,7 +42,7 @@ check: $(STAMP)
 # Every shipped recipe's step traced here and checked against the TPU compiler's verdict for its target
 # (a program byte for byte the one in docs/tpu_compile.json keeps its figures; any other is compiled).
 tpu-compile-check: $(STAMP)
-	$(VENV)/bin/python scripts/tpu_compile_recipes.py --check --timeout 1200
+	$(VENV)/bin/python tools/tpu_compile_recipes.py --check --timeout 1200
 
 lint format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .

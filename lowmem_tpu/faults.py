@@ -3,7 +3,7 @@
 ``LOWMEM_TPU_KILL_AT=NAME`` kills this process (SIGKILL: no handler, no cleanup, as a preemption or the OOM
 killer would) the first time it reaches the point NAME; ``NAME:N`` the N-th time, counted from 1 in this
 process (``step:3``: at the end of the third step it trains; ``save-state:2``: inside its second save).
-Unset, a point costs one environment lookup. ``scripts/fault_matrix.py`` and ``tests/e2e/test_faults.py`` kill
+Unset, a point costs one environment lookup. ``benchmarks/fault_matrix.py`` and ``tests/e2e/test_faults.py`` kill
 runs at every point and check that the same command then finishes with the uninterrupted run's weights.
 
 The points, in the order a run reaches them:

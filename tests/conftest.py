@@ -67,13 +67,9 @@ def model_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def alpaca(tmp_path_factory) -> Path:
     """``open_llama_data.ALPACA`` eight times over as a JSON array, as alpaca-cleaned ships."""
-    import json
+    from open_llama_data import write_alpaca
 
-    from open_llama_data import ALPACA
-
-    path = tmp_path_factory.mktemp("alpaca") / "alpaca.json"
-    path.write_text(json.dumps(ALPACA * 8, indent=1))  # a JSON array, as alpaca-cleaned ships
-    return path
+    return write_alpaca(tmp_path_factory.mktemp("alpaca") / "alpaca.json")
 
 
 @pytest.fixture(scope="module")

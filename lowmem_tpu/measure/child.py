@@ -43,7 +43,7 @@ def build_sharded_model(recipe: Recipe, runtime: Any) -> Any:
     from lowmem_tpu.xla.sharding import place_parameters
 
     config = load_config(recipe.model, offline=True) or require_config(recipe)
-    model = apply_lora(meta_model(config, recipe.model), recipe)
+    model = apply_lora(meta_model(config, recipe.model), recipe, weightless=True)
     for module in model.modules():
         own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
         if not any(t.is_meta for t in own):

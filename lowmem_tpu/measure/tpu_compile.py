@@ -30,7 +30,7 @@ from lowmem_tpu.config import Recipe
 from lowmem_tpu.config.devices import DEVICES, Device, host_memory, meminfo
 from lowmem_tpu.console import size
 from lowmem_tpu.errors import UserError
-from lowmem_tpu.measure.buffers import OutOfMemory, hbm_allocations, out_of_memory
+from lowmem_tpu.measure.buffers import OutOfMemory, hbm_allocations, optimized_hlo, out_of_memory
 from lowmem_tpu.memory.tiles import tpu_shard_bytes
 
 EXTRA = 'pip install -c constraints.txt -e ".[compiler]"'
@@ -67,7 +67,8 @@ class TpuCompile:
     cost: dict[str, float] = field(default_factory=dict)
     compiler_stats: dict[str, int] = field(default_factory=dict)  # get_compiled_memory_stats(), as reported
     # Bytes the optimized program's all-gathers produce on one chip, by element type, each instruction once
-    # (a loop body's counted once): a quantized base gathers its packed u8 weights, never bf16/f32 ones.
+    # (a loop body's counted once; extrapolated records keep the larger compile's): a quantized base gathers
+    # its packed u8 weights, never bf16/f32 ones.
     gathered: dict[str, int] = field(default_factory=dict)
     refused: OutOfMemory | None = None
     error: str | None = None
@@ -208,7 +209,7 @@ def compile_traced(traced: TracedStep, device: Device, work: Path, timeout: floa
         generated_code=stats["generated_code_size_in_bytes"],
         cost=compiled.get("cost", {}),
         compiler_stats=stats,
-        gathered=all_gather_bytes(optimized_program(tpu_dir)),
+        gathered=all_gather_bytes(optimized_hlo(buffer_assignment(tpu_dir)).read_text()),
     )
 
 
@@ -335,12 +336,6 @@ def all_gather_bytes(program: str) -> dict[str, int]:
         count = math.prod(int(d) for d in dims.split(",") if d)
         totals[dtype] = totals.get(dtype, 0) + count * ITEMSIZE.get(dtype, 8)
     return dict(sorted(totals.items()))
-
-
-def optimized_program(dump: Path) -> str:
-    """The largest optimized HLO text the compiler dumped (the step's program), or "" if none."""
-    found = sorted(dump.glob("*after_optimizations.txt"), key=lambda p: p.stat().st_size)
-    return found[-1].read_text() if found else ""
 
 
 def buffer_assignment(dump: Path) -> Path:

@@ -104,6 +104,9 @@ def format_compile(result: TpuCompile, planned_peak: int | None, cost: dict[str,
             lines.append(f"  host memory (offloaded, not HBM) {g(result.host)}")
         if result.kernels:
             lines.append(f"  Pallas kernels in the step: {result.kernels} (compiled for the TPU by libtpu)")
+        if result.gathered:
+            gathers = ", ".join(f"{dtype} {g(n)}" for dtype, n in sorted(result.gathered.items(), key=lambda x: -x[1]))
+            lines.append(f"  all-gathered (each instruction once): {gathers}")
     if planned_peak is not None:
         error = (planned_peak - result.needed) / result.needed if result.needed else 0.0
         lines.append(f"  the planner's peak: {g(planned_peak)} ({error:+.0%} against the compiler)")

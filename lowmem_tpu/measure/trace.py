@@ -35,7 +35,7 @@ def placeholder_model(recipe: Recipe, runtime: Any) -> tuple[Any, int]:
     from lowmem_tpu.xla.sharding import place_placeholders
 
     config = load_config(recipe.model, offline=True) or require_config(recipe)
-    model = apply_lora(meta_model(config, recipe.model), recipe)
+    model = apply_lora(meta_model(config, recipe.model), recipe, weightless=True)
     made = place_placeholders(model)
     for module in model.modules():
         for name, buf in list(module.named_buffers(recurse=False)):

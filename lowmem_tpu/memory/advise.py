@@ -63,7 +63,7 @@ def _accumulation(st: Setting, s: Shape, layout: str) -> tuple[Setting, str, str
 def _attention(st: Setting, s: Shape, layout: str) -> tuple[Setting, str, str] | None:
     """No [length, length] scores: flash on a TPU, chunked elsewhere. The TPU compiler keeps far more
     of chunked attention than it plans (Open Llama 3B's width, 4 layers, 4 x 2048 tokens per chip on
-    v5e-8: chunked 9.92 GiB, eager 12.39, flash 2.62; scripts/tpu_only_paths.py). Flash only at the
+    v5e-8: chunked 9.92 GiB, eager 12.39, flash 2.62; benchmarks/tpu_only_paths.py). Flash only at the
     lengths its backward tiles."""
     if st.attention in ("chunked", "flash"):
         return None
@@ -93,13 +93,14 @@ def _lora(st: Setting, s: Shape, layout: str) -> tuple[Setting, str, str] | None
 
 
 def _quantize(st: Setting, s: Shape, layout: str) -> tuple[Setting, str, str] | None:
-    """A quantized frozen base (QLoRA): int8 first, then int4. Only under LoRA (the recipe refuses
-    a quantized base for full fine-tuning)."""
-    if not st.lora or st.quantize == "int4":
+    """A quantized frozen base: int8 first, then NF4 with double quantization (QLoRA's). Only under LoRA
+    (the recipe refuses a quantized base for full fine-tuning)."""
+    if not st.lora or st.quantize in ("int4", "nf4"):
         return None
-    bits = "int8" if st.quantize == "none" else "int4"
-    what = "one scale per output row" if bits == "int8" else f"two per byte, one scale per {st.group_size} inputs"
-    return replace(st, quantize=bits), f"an {bits} base ({what})", f"model.quantize={bits}"
+    if st.quantize == "none":
+        return replace(st, quantize="int8"), "an int8 base (one scale per output row)", "model.quantize=int8"
+    what = f"QLoRA's 4-bit NormalFloat, blocks of {st.group_size}, double quantization"
+    return replace(st, quantize="nf4", double_quant=True), f"an nf4 base ({what})", "model.quantize=nf4"
 
 
 def _shorter(st: Setting, s: Shape, layout: str) -> tuple[Setting, str, str] | None:
@@ -202,8 +203,11 @@ def _mode(st: Setting) -> str:
         return "full fine-tuning"
     if st.quantize == "none":
         return "LoRA"
-    group = f", groups of {st.group_size}" if st.quantize == "int4" else ""
     head = ", LM head too" if st.quantize_lm_head else ""
+    if st.quantize == "nf4":
+        double = ", double quantization" if st.double_quant else ""
+        return f"LoRA on an nf4 base (blocks of {st.group_size}{double}{head})"
+    group = f", groups of {st.group_size}" if st.quantize == "int4" else ""
     return f"LoRA on an {st.quantize} base ({st.dtype} scales{group}{head})"
 
 
@@ -239,7 +243,7 @@ def _quantized_label(plan: Plan) -> str:
     if plan.layout == "tpu" and st.devices > 1 and st.strategy == "fsdp":  # beyond a bf16 base: memory.tpu_layout
         return "a quantized base's extra activations (every layer)"
     if plan.layout == "tpu":
-        return "the int4 base's fp32 dequantization (one chip)"
+        return f"the {st.quantize} base's fp32 dequantization (one chip)"
     return f"dequantized weights ({plan.setting.dtype}, transient)"
 
 

@@ -91,8 +91,9 @@ class Setting:
     optimizer: str
     fused_head: bool
     devices: int
-    quantize: str = "none"  # the frozen base's decoder linears: none, int8 or int4 (LoRA only)
-    group_size: int = 64  # int4: inputs sharing one scale
+    quantize: str = "none"  # the frozen base's decoder linears: none, int8, int4 or nf4 (LoRA only)
+    group_size: int = 64  # int4: inputs sharing one scale; nf4: the block of one maximum
+    double_quant: bool = False  # nf4: block maxima in 8 bits (+ an fp32 scale per 256 of them)
     quantize_lm_head: bool = False
     master_weights: bool = False  # fp32 copies of the low-precision trainable weights (train.master_weights)
     attention: str = "eager"  # model.attn_implementation: eager/sdpa keep [length, length] scores, chunked/flash not
@@ -143,6 +144,7 @@ def setting_of(recipe: Recipe, devices: int) -> Setting:
         devices=devices,
         quantize=getattr(recipe.model, "quantize", "none"),
         group_size=getattr(recipe.model, "quantize_group_size", 64),
+        double_quant=recipe.model.quantize == "nf4" and recipe.model.quantize_double is not False,
         quantize_lm_head=getattr(recipe.model, "quantize_lm_head", False),
         master_weights=uses_master_weights(recipe),
         attention=getattr(recipe.model, "attn_implementation", "eager"),

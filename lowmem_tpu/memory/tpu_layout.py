@@ -1,7 +1,7 @@
 """The planner's TPU layout: a step's memory per chip as libtpu's compiler lays it out.
 
 Read off the TPU compiler's buffer assignments (``lowmem-tpu memory --compile``, libtpu 0.0.21 for
-v5e; ``scripts/tpu_planner_grid.py``, docs/memory.md), which differ from XLA:CPU's in kind:
+v5e; ``benchmarks/tpu_planner_grid.py``, docs/memory.md), which differ from XLA:CPU's in kind:
 
 - everything kept for the backward pass is in the compute dtype (bf16), the softmax's
   probabilities too (the fp32 softmax is fused away);
@@ -41,7 +41,7 @@ from lowmem_tpu.memory.cpu_layout import DTYPE_BYTES, quantized
 from lowmem_tpu.memory.shape import Setting, Shape, linears
 
 # Hidden-sized tensors per token a checkpointed layer keeps (libtpu 0.0.21): Open Llama 3B's LoRA step at
-# 2 and 4 layers over 8 chips (weights gathered: 1.98, scripts/tpu_layer_slopes.py; it was 2.59 while the
+# 2 and 4 layers over 8 chips (weights gathered: 1.98, benchmarks/tpu_layer_slopes.py; it was 2.59 while the
 # step traced was the warm-up's first, at learning rate 0) and on one chip (3.93; 5.0 in the first-step
 # form; the 7B at 2 x 1024 tokens: 3.41), Llama 2 70B's width at 2 and 4 layers in bf16 (8 x 512 tokens
 # over 8 chips: the activations gathered).
@@ -168,16 +168,24 @@ QUANTIZED_KEPT_PER_LAYER = {"weights gathered": 5.3, "activations gathered": 1.8
 INT4_ONE_CHIP_FP32_COPIES = 4.5
 
 
+# Across chips each projection is gathered packed and dequantized whole on every chip while its layer runs
+# (the all-gather moves its bytes, not a bf16 weight): the step keeps that many fp32 copies of the largest
+# projection beyond the per-layer term (libtpu 0.0.21, nf4, Llama 2 70B's shape on v5e-8 at 8 x 512 tokens,
+# 2 and 4 layers: an fp32 [28672, 8192] product and two unpacked u8 copies live at the peak).
+GATHERED_FP32_COPIES = 1.6
+
+
 def dequantized(s: Shape, st: Setting) -> int:
     """What a quantized base keeps beyond a bf16 base's activations, per chip: every layer's extra buffers
-    (across chips), or on one chip an int4 base's fp32 dequantization of a projection."""
+    and the whole projection dequantized after its gather (across chips), or on one chip an int4/nf4
+    base's fp32 dequantization of a projection."""
     if not quantized(st):
         return 0
+    largest = max(o * i for o, i in linears(s).values())
     if _gathering(s, st) == "one chip":
-        largest = max(o * i for o, i in linears(s).values())
-        return int(INT4_ONE_CHIP_FP32_COPIES * largest * 4) if st.quantize == "int4" else 0
+        return int(INT4_ONE_CHIP_FP32_COPIES * largest * 4) if st.quantize in ("int4", "nf4") else 0
     per = QUANTIZED_KEPT_PER_LAYER[_gathering(s, st)]
-    return int(s.layers * per * st.tokens * s.hidden * DTYPE_BYTES[st.dtype])
+    return int(s.layers * per * st.tokens * s.hidden * DTYPE_BYTES[st.dtype] + GATHERED_FP32_COPIES * largest * 4)
 
 
 # Blocks of logits ([sequences, block, vocab], compute dtype) the chunked loss holds at once.

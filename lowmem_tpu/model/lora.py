@@ -8,9 +8,16 @@ from lowmem_tpu.config import Recipe
 from lowmem_tpu.errors import UserError
 from lowmem_tpu.model.architecture import lora_targets
 
+# PiSSA/OLoRA's adapters as initialised, beside a checkpoint's export files (the export converts with them).
+INITIAL_ADAPTER = "initial_adapter.safetensors"
 
-def apply_lora(model: Any, recipe: Recipe) -> Any:
-    """Wrap the base in PEFT LoRA adapters (the base is frozen), or leave every weight trainable."""
+
+def apply_lora(model: Any, recipe: Recipe, weightless: bool = False) -> Any:
+    """Wrap the base in PEFT LoRA adapters (the base is frozen), or leave every weight trainable.
+
+    ``weightless``: the base has no values (``meta``, placeholders: the step measured, never trained);
+    an initialisation that reads the base (PiSSA, OLoRA) is replaced by PEFT's default, which draws
+    adapters of the same shapes."""
     if not recipe.lora.enabled:
         model.requires_grad_(True)
         return model
@@ -24,13 +31,25 @@ def apply_lora(model: Any, recipe: Recipe) -> Any:
         target_modules=lora_targets(model, lora.target_modules),
         use_rslora=lora.use_rslora,
         use_dora=lora.use_dora,
-        init_lora_weights=lora.init_lora_weights,
+        init_lora_weights=True if weightless and _reads_the_base(lora.init_lora_weights) else lora.init_lora_weights,
         modules_to_save=lora.modules_to_save,
         bias="none",
         task_type="CAUSAL_LM",
     )
     try:
-        return get_peft_model(model, config)
+        peft = get_peft_model(model, config)
     except ValueError as err:
         fields = "lora.modules_to_save" if lora.modules_to_save and "modules_to_save" in str(err) else "lora"
         raise UserError(f"{fields}: {err}") from None
+    if _reads_the_base(lora.init_lora_weights) and not weightless:
+        # The base now holds the residual of the adapters' initial directions: the saved adapter is
+        # converted to apply to the original base (publish.export.for_the_original_base).
+        from peft.utils import get_peft_model_state_dict
+
+        state = get_peft_model_state_dict(peft)
+        peft.initial_adapter = {k: v.detach().cpu().clone() for k, v in state.items() if ".lora_" in k}
+    return peft
+
+
+def _reads_the_base(init: bool | str) -> bool:
+    return str(init).startswith(("pissa", "olora"))

@@ -1,9 +1,10 @@
 """NF4 with double quantization, QLoRA's format, in bitsandbytes' exact layout and arithmetic.
 
-A weight is cut into blocks of ``blocksize`` consecutive values (row-major; blocks never cross a
-row here, so rows shard freely). Each block keeps its absolute maximum and, per value, the index of
-the nearest of the 16 NormalFloat levels of ``value / absmax``, two indices per byte, the first in
-the high nibble. With double quantization the fp32 maxima lose their mean (``offset``) and are
+A weight is cut into blocks of ``blocksize`` consecutive values of its row-major order (as
+bitsandbytes does: a block crosses rows when the input width is not a multiple of it; the maxima are
+then one flat vector, else ``[out, in / blocksize]``). Each block keeps its absolute maximum and, per
+value, the index of the nearest of the 16 NormalFloat levels of ``value / absmax``, two indices per
+byte, the first in the high nibble. With double quantization the fp32 maxima lose their mean (``offset``) and are
 themselves quantized to 8 bits in blocks of 256 against bitsandbytes' signed dynamic code.
 
 Dequantizing computes every product in fp32 and casts once, as bitsandbytes does: products in
@@ -66,13 +67,17 @@ def _nearest(scaled: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
 
 
 def _blockwise(values: torch.Tensor, blocksize: int, code: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(indices, absmax)`` of a flat fp32 tensor cut into blocks (the last may be short)."""
-    n = values.numel()
-    pad = -n % blocksize
-    blocks = torch.nn.functional.pad(values, (0, pad)).view(-1, blocksize)
+    """``(indices, absmax)`` of a flat fp32 tensor cut into blocks; a short last block is scaled by a
+    division, the others by the reciprocal, as bitsandbytes' kernel does."""
+    full = values.numel() - values.numel() % blocksize
+    blocks = values[:full].view(-1, blocksize)
     absmax = blocks.abs().amax(dim=-1)
-    scaled = torch.clamp(blocks * (1.0 / absmax.clamp(min=TINY)).unsqueeze(-1), -1, 1)
-    return _nearest(scaled.reshape(-1)[:n], code), absmax
+    scaled = [torch.clamp(blocks * (1.0 / absmax.clamp(min=TINY)).unsqueeze(-1), -1, 1).reshape(-1)]
+    if full < values.numel():
+        last = values[full:].abs().amax().clamp(min=TINY)
+        absmax = torch.cat([absmax, last.unsqueeze(0)])
+        scaled.append(torch.clamp(values[full:] / last, -1, 1))
+    return _nearest(torch.cat(scaled), code), absmax
 
 
 @cache
@@ -98,8 +103,9 @@ def _second_level(maxima: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 @dataclass
 class NF4Weight:
     """A quantized ``[out, in]`` weight: ``packed`` uint8 ``[out, in / 2]``; ``absmax`` fp32
-    ``[out, in / blocksize]``, or with double quantization uint8 indices into ``dynamic_code()``
-    scaled by ``absmax2`` (fp32, one per 256 maxima) plus ``offset`` (fp32, a scalar)."""
+    ``[out, in / blocksize]`` (flat ``[ceil(out * in / blocksize)]`` when blocks cross rows), or with
+    double quantization uint8 indices into ``dynamic_code()`` scaled by ``absmax2`` (fp32, one per 256
+    maxima) plus ``offset`` (fp32, a scalar)."""
 
     packed: torch.Tensor
     absmax: torch.Tensor
@@ -107,11 +113,18 @@ class NF4Weight:
     offset: torch.Tensor | None
 
 
+def maxima_shape(out_features: int, in_features: int, blocksize: int) -> tuple[int, ...]:
+    """``[out, in / blocksize]`` when rows are whole blocks, else the flat ``[ceil(out * in / blocksize)]``."""
+    if in_features % blocksize == 0:
+        return (out_features, in_features // blocksize)
+    return (-(-out_features * in_features // blocksize),)
+
+
 def quantize_nf4(weight: torch.Tensor, blocksize: int, double: bool) -> NF4Weight:
-    """NF4 of a 2-D weight whose rows are whole blocks (``in % blocksize == 0``)."""
+    """NF4 of a 2-D weight of an even input width (two weights a byte, never across rows)."""
     out_features, in_features = weight.shape
-    if in_features % blocksize:
-        raise ValueError(f"{in_features} inputs are not a multiple of the NF4 block of {blocksize}")
+    if in_features % 2:
+        raise ValueError(f"{in_features} inputs: NF4 packs two weights a byte along a row")
     flat = weight.detach().reshape(-1).to(torch.float32)
     q, absmax = _blockwise(flat, blocksize, nf4_code())
     packed = (q[0::2] << 4) | q[1::2]
@@ -119,11 +132,12 @@ def quantize_nf4(weight: torch.Tensor, blocksize: int, double: bool) -> NF4Weigh
     if double:
         offset = absmax.mean()
         absmax, absmax2 = _second_level(absmax - offset)
-    return NF4Weight(packed.view(out_features, -1), absmax.view(out_features, -1), absmax2, offset)
+    shape = maxima_shape(out_features, in_features, blocksize)
+    return NF4Weight(packed.view(out_features, -1), absmax.view(shape), absmax2, offset)
 
 
 def block_maxima(weight: NF4Weight) -> torch.Tensor:
-    """The fp32 ``[out, in / blocksize]`` maxima (decoded from the second level if double)."""
+    """The fp32 maxima, shaped as stored (decoded from the second level if double)."""
     if weight.absmax2 is None:
         return weight.absmax
     shape, n = weight.absmax.shape, weight.absmax.numel()
@@ -132,12 +146,35 @@ def block_maxima(weight: NF4Weight) -> torch.Tensor:
     return (blocks * weight.absmax2.unsqueeze(-1)).reshape(-1)[:n].view(shape) + weight.offset
 
 
+def nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """The ``[out, in]`` 4-bit indices of a packed ``[out, in / 2]`` weight (the high nibble first).
+
+    Written as a broadcast and per-column shifts, not a stack of the two halves: the compiler then
+    unpacks inside the dequantizing fusion instead of laying out an ``[out, in / 2, 2]`` tensor."""
+    out_features, half = packed.shape
+    pairs = packed.unsqueeze(-1).expand(out_features, half, 2).reshape(out_features, 2 * half)
+    shift = (1 - torch.arange(2 * half, device=packed.device) % 2).to(torch.uint8) * 4
+    return torch.bitwise_right_shift(pairs, shift) & 15
+
+
+def levels(indices: torch.Tensor) -> torch.Tensor:
+    """``nf4_code()[indices]`` in fp32, as a tree of selects on the index's bits: elementwise, so it fuses
+    with the scaling and the cast (a lookup would materialize the fp32 weight)."""
+    candidates: list = list(NF4_LEVELS)
+    for bit in range(4):
+        odd = (torch.bitwise_right_shift(indices, bit) & 1).bool()
+        candidates = [torch.where(odd, candidates[i + 1], candidates[i]) for i in range(0, len(candidates), 2)]
+    return candidates[0].to(torch.float32)
+
+
 def dequantize_nf4(weight: NF4Weight, dtype: torch.dtype) -> torch.Tensor:
     """The ``[out, in]`` weight, every product in fp32, cast to ``dtype`` once."""
-    packed = weight.packed
-    out_features = packed.shape[0]
-    indices = torch.stack((packed >> 4, packed & 15), dim=-1).view(out_features, -1).long()
-    levels = nf4_code().to(packed.device)[indices]
+    out_features, half = weight.packed.shape
     maxima = block_maxima(weight)
-    blocks = levels.view(out_features, maxima.shape[1], -1) * maxima.unsqueeze(-1)
-    return blocks.view(out_features, -1).to(dtype)
+    values = levels(nibbles(weight.packed))
+    if maxima.dim() == 2:  # rows of whole blocks
+        return (values.view(out_features, maxima.shape[1], -1) * maxima.unsqueeze(-1)).view(out_features, -1).to(dtype)
+    n = out_features * 2 * half
+    blocksize = -(-n // maxima.numel())
+    flat = torch.nn.functional.pad(values.reshape(-1), (0, -n % blocksize)).view(-1, blocksize)
+    return (flat * maxima.unsqueeze(-1)).reshape(-1)[:n].view(out_features, -1).to(dtype)

@@ -29,7 +29,7 @@ from torch import nn
 
 from lowmem_tpu.config import ModelSection
 from lowmem_tpu.errors import UserError
-from lowmem_tpu.model.nf4 import NF4Weight, dequantize_nf4, quantize_nf4
+from lowmem_tpu.model.nf4 import NF4Weight, dequantize_nf4, maxima_shape, quantize_nf4
 
 QMAX = {8: 127, 4: 7}
 
@@ -168,23 +168,28 @@ class QuantizedLinear(nn.Linear):
     def dequantized_when(self, anchor: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """The weight in ``anchor``'s dtype, as a value that depends on ``anchor``.
 
-        Adding ``0 * anchor[0]`` to the scales (exact for finite values; compilers do not fold a
-        float ``x * 0``) means the weight cannot be dequantized before the layer's input exists
-        nor shared between the forward pass and its recomputation, so XLA neither hoists every
-        layer's dequantization to the start of the step nor keeps it live until the backward pass.
-        NF4's double-quantized maxima are integers: there the anchor joins the offset.
+        Adding ``0 * anchor[0]`` (exact for finite values; compilers do not fold a float ``x * 0``)
+        means the weight cannot be built before the layer's input exists nor shared between the forward
+        pass and its recomputation, so XLA neither hoists every layer's weight to the start of the step
+        nor keeps it live until the backward pass. Where the weight is gathered, or looked up (NF4), the
+        anchor joins the packed bytes and scales before anything else, so neither the gathered bytes nor
+        NF4's fp32 levels can be hoisted or shared; else (int8/int4 on one chip) it joins the scales.
         """
+        zero = anchor.reshape(-1)[:1].detach() * 0
+        spec = self.spec
+        if self.gather is None and spec.method != "nf4":
+            scale = scale.to(anchor.dtype) + zero
+            return dequantize_weight(qweight, scale, spec.bits, spec.group_size, self.in_features, anchor.dtype)
+        qweight, scale = qweight + zero.to(qweight.dtype), scale + zero.to(scale.dtype)
         if self.gather is not None:
             qweight, scale = self.gather(qweight), self.gather(scale)
-        zero = anchor.reshape(-1)[:1].detach() * 0
-        if self.spec.method != "nf4":
-            scale = scale.to(anchor.dtype) + zero
-            return dequantize_weight(
-                qweight, scale, self.spec.bits, self.spec.group_size, self.in_features, anchor.dtype
-            )
-        if not self.spec.double:
-            return dequantize_nf4(NF4Weight(qweight, scale + zero.float(), None, None), anchor.dtype)
-        return dequantize_nf4(NF4Weight(qweight, scale, self.absmax2, self.offset + zero.float()), anchor.dtype)
+        if spec.method != "nf4":
+            scale = scale.to(anchor.dtype)
+            weight = dequantize_weight(qweight, scale, spec.bits, spec.group_size, self.in_features, anchor.dtype)
+        else:
+            second = (self.absmax2, self.offset) if spec.double else (None, None)
+            weight = dequantize_nf4(NF4Weight(qweight, scale, *second), anchor.dtype)
+        return weight if self.gather is None else self.gather(weight)
 
     def extra_repr(self) -> str:
         spec = self.spec
@@ -202,14 +207,18 @@ def _shapes(
     if spec.method == "int4":
         groups = math.ceil(in_features / spec.group_size)
         return (out_features, groups * spec.group_size // 2), torch.uint8, (out_features, groups), dtype
-    if in_features % spec.group_size:
+    if in_features % 2:
         raise UserError(
-            f"model.quantize_group_size: nf4 blocks of {spec.group_size} must tile each row, and this model has "
-            f"a linear layer of {in_features} inputs; choose a group size that divides {in_features}, "
-            "or model.quantize: int4 (which pads a row to whole groups)"
+            f"model.quantize: nf4 packs two weights a byte along a row, and this model has a linear layer of "
+            f"{in_features} inputs; use model.quantize: int4 (which pads a row) or int8"
         )
     maxima = torch.uint8 if spec.double else torch.float32
-    return (out_features, in_features // 2), torch.uint8, (out_features, in_features // spec.group_size), maxima
+    return (
+        (out_features, in_features // 2),
+        torch.uint8,
+        maxima_shape(out_features, in_features, spec.group_size),
+        maxima,
+    )
 
 
 class _DequantizedLinear(torch.autograd.Function):

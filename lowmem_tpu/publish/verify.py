@@ -52,13 +52,15 @@ def float32_compute(model: Any) -> Iterator[None]:
 
     def up(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         for p in module.parameters(recurse=False):
-            originals[p] = p.data
-            p.data = p.data.float()
+            if p.is_floating_point():  # a quantized layer's packed integers stay as they are
+                originals[p] = p.data
+                p.data = p.data.float()
         return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
 
     def down(module: Any, args: tuple, output: Any) -> None:
         for p in module.parameters(recurse=False):
-            p.data = originals.pop(p)
+            if p in originals:
+                p.data = originals.pop(p)
 
     owners = [m for m in model.modules() if next(m.parameters(recurse=False), None) is not None]
     handles = [m.register_forward_pre_hook(up, with_kwargs=True) for m in owners]

@@ -302,6 +302,12 @@ def save_export_files(trainer: Any, directory: Path) -> None:
         config.base_model_name_or_path = trainer.base_reference or config.base_model_name_or_path
         config.save_pretrained(str(directory))
         write_json(directory / ADAPTER_KEYS, trainer.names.adapter_keys)
+        if initial := getattr(model, "initial_adapter", None):  # PiSSA/OLoRA: exported for the original base
+            from safetensors.torch import save_file
+
+            from lowmem_tpu.model.lora import INITIAL_ADAPTER
+
+            save_file(initial, str(directory / INITIAL_ADAPTER), metadata={"format": "pt"})
     else:
         model.config.save_pretrained(directory)
         if getattr(model, "generation_config", None) is not None:

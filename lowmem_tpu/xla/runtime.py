@@ -49,7 +49,7 @@ class Runtime:
 # libtpu flags every TPU program of ours is compiled with (a user's own LIBTPU_INIT_ARGS setting of the
 # same flag wins). XLA's SPMD partitioner does not split RngBitGenerator: each chip would draw the random
 # bits of the whole batch, which LoRA dropout's masks made 14.6 GiB per chip on a 4-layer Open Llama 3B
-# LoRA step for v5e-8 (1.7 GiB without dropout; scripts/tpu_only_paths.py). This libtpu flag makes each
+# LoRA step for v5e-8 (1.7 GiB without dropout; benchmarks/tpu_only_paths.py). This libtpu flag makes each
 # chip draw only its own part's bits (other bits than one chip would draw: a dropout mask, not a result).
 LIBTPU_FLAGS = ("--xla_tpu_spmd_rng_bit_generator_unsafe=true",)
 

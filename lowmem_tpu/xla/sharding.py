@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -144,17 +145,21 @@ def gather_packed(model: nn.Module, mesh: Any) -> int:
     """Make each quantized layer gather its packed weight and scales whole before dequantizing.
 
     Left to itself the SPMD partitioner dequantizes each chip's shard and all-gathers the result (a bf16 or
-    fp32 weight, 4-8x the bytes). A replicated sharding annotation on the packed tensors, as used, moves the
-    all-gather onto them. ``annotate_custom_sharding`` (torch_xla 2.9, ``distributed/spmd/xla_sharding.py``)
-    annotates an IR value without touching the placed data; it is given a copy (``* 1``, folded by XLA), so
-    the parameter itself keeps its sharding. Returns how many layers gather packed.
+    fp32 weight, 4-8x the bytes). A replicated sharding annotation on the packed tensors, as the layer uses
+    them, moves the all-gather onto them. ``annotate_custom_sharding`` (torch_xla 2.9,
+    ``distributed/spmd/xla_sharding.py``) annotates an IR value without touching placed data; the layer
+    hands it a fresh value (its packed tensor plus the input's zero), never the parameter itself, which
+    keeps its sharding. On one device there is nothing to gather. Returns how many layers gather packed.
     """
     import torch_xla.distributed.spmd as xs
 
     from lowmem_tpu.model.quantize import QuantizedLinear
 
+    if math.prod(mesh.mesh_shape) == 1:
+        return 0
+
     def whole(tensor: torch.Tensor) -> torch.Tensor:
-        return xs.annotate_custom_sharding(tensor * 1, mesh, (None,) * tensor.dim()).global_tensor
+        return xs.annotate_custom_sharding(tensor, mesh, (None,) * tensor.dim()).global_tensor
 
     layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
     for layer in layers:

@@ -1,26 +1,22 @@
 """SIGKILL at the fault points (``lowmem_tpu.faults``) through the real CLI: the same command then finishes
 with the uninterrupted run's weights, bit for bit, and no kill leaves a directory that is misread.
 
-A representative subset of ``scripts/fault_matrix.py`` (which runs every point, LoRA and full), sharing its
-settings and checks: one uninterrupted run per mode, then a LoRA run killed three times in a row (while
-tokenizing, inside its second save, with final/ written but not yet renamed) and a full run killed with its
-second checkpoint marked COMPLETE but not yet renamed.
+A representative subset of the fault matrix (``lowmem_tpu.fault_matrix``, whose every point, LoRA and full,
+``benchmarks/fault_matrix.py`` runs), with its settings and checks: one uninterrupted run per mode, then a LoRA
+run killed three times in a row (while tokenizing, inside its second save, with final/ written but not yet
+renamed) and a full run killed with its second checkpoint marked COMPLETE but not yet renamed.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import signal
 from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+from lowmem_tpu import fault_matrix as matrix
 
-ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("fault_matrix", ROOT / "scripts" / "fault_matrix.py")
-matrix = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(matrix)
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")

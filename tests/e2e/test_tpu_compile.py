@@ -200,10 +200,11 @@ def test_a_quantized_base_is_gathered_packed_then_dequantized(tmp_path, method):
 
     from lowmem_tpu.config import load_recipe
     from lowmem_tpu.config.devices import DEVICES
+    from lowmem_tpu.measure.buffers import optimized_hlo
 
     overrides = [f"model.quantize={method}", "model.quantize_group_size=32", "runtime.device=auto"]
     result = tpu_compile.compile_recipe(load_recipe(TINY, overrides), DEVICES["v5e-8"], keep=tmp_path)
-    program = tpu_compile.optimized_program(tmp_path / "tpu")
+    program = optimized_hlo(tpu_compile.buffer_assignment(tmp_path / "tpu")).read_text()
     gathered = re.findall(r"= (\w+)\[([\d,]*)\]\S* all-gather(?:-start)?\(", program)
     weights = {"128,128", "256,128", "128,256"}
     assert gathered and not [(t, d) for t, d in gathered if t in ("bf16", "f32") and d in weights]

@@ -7,6 +7,9 @@ embeddings (Gemma leaves ``tie_word_embeddings`` out: the class default, true, a
 attention and final-logit soft-capping (Gemma 2), sliding windows shorter than the test rows (Gemma 2/3,
 Mistral, Phi-3), llama3 rope scaling, fused ``qkv_proj`` and ``gate_up_proj`` (Phi), the multimodal
 wrapper Gemma 3 4B and up ships as, and EOS lists (Llama 3, Gemma). Weights are random.
+
+    python tests/helpers/families.py             # the stand-ins' names and end-of-turn texts, as JSON
+    python tests/helpers/families.py NAME DIR    # build one in DIR (benchmarks/family_matrix.py runs both)
 """
 
 from __future__ import annotations
@@ -227,3 +230,14 @@ def make_family(path: Path, name: str, seed: int = 0) -> Path:
     (path / "generation_config.json").write_text(json.dumps(generation, indent=2))
     make_tokenizer(path, name)
     return path
+
+
+if __name__ == "__main__":
+    import sys
+
+    from family_tokenizers import END_OF_TURN
+
+    if len(sys.argv) == 3:
+        print(make_family(Path(sys.argv[2]), sys.argv[1]))
+    else:
+        print(json.dumps({name: END_OF_TURN.get(name) for name in (*NAMES, "gemma3_multimodal")}))

@@ -12,7 +12,6 @@ import io
 import json
 import os
 import socket
-import sys
 import traceback
 from pathlib import Path
 from typing import Any
@@ -44,7 +43,6 @@ def run_hosts(scenario: str, count: int, workdir: Path, **kwargs: Any) -> list[d
 
 def _host(scenario: str, index: int, count: int, port: int, workdir: str, kwargs: dict[str, Any]) -> None:
     os.environ.update({"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from lowmem_tpu import hosts
 
     hosts.join(index, count, f"tcp://127.0.0.1:{port}")

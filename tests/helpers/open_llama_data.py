@@ -1,7 +1,13 @@
-"""The alpaca records and the tokenizer loader of the Open Llama rehearsal (test_open_llama_data, test_open_llama)."""
+"""The alpaca records and the tokenizer loader of the Open Llama rehearsal (test_open_llama_data, test_open_llama).
+
+python tests/helpers/open_llama_data.py FILE   # the records eight times over as a JSON array (what
+                                               # benchmarks/rehearse_open_llama.py trains on)
+"""
 
 from __future__ import annotations
 
+import json
+import sys
 from pathlib import Path
 
 from lowmem_tpu.config import ModelSection
@@ -16,5 +22,15 @@ ALPACA = [
 ]
 
 
+def write_alpaca(path: Path) -> Path:
+    """``ALPACA`` eight times over as a JSON array, as alpaca-cleaned ships."""
+    path.write_text(json.dumps(ALPACA * 8, indent=1))
+    return path
+
+
 def tokenizer_of(model_dir: Path, fast: bool = False):
     return load_tokenizer(ModelSection(name_or_path=str(model_dir), use_fast_tokenizer=fast, pad_token="<unk>"))
+
+
+if __name__ == "__main__":
+    write_alpaca(Path(sys.argv[1]))

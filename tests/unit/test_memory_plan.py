@@ -204,7 +204,7 @@ def test_suggestions_stop_when_nothing_is_left():
     assert steps and not steps[-1].plan.fits
     known = {"train.optimizer=adafactor", "lora.enabled=true", "train.chunked_loss=true"}
     known |= {"train.gradient_accumulation_steps=2", "model.attn_implementation=chunked", "data.max_length=16"}
-    known |= {"model.quantize=int8", "model.quantize=int4"}
+    known |= {"model.quantize=int8", "model.quantize=nf4"}
     assert {s.override for s in steps} <= known
     text = "\n".join(memory_report.format_plan("the recipe", plan(capacity=1), steps))
     assert "nothing left to turn on" in text
@@ -416,11 +416,13 @@ def test_dequantized_transient_is_one_projection():
     one = replace(st, devices=1, global_batch=2)
     assert plan(one, layout="cpu").dequantized == largest
     # TPU, FSDP over 4 chips, 256 tokens in all against a width of 64: the weights gathered, 5.3 more
-    # hidden-sized tensors per token in each of the 3 layers (the TPU compiler, Open Llama 3B int4)
-    assert plan(st).dequantized == int(3 * 5.3 * 2 * 32 * 64 * 4)
+    # hidden-sized tensors per token in each of the 3 layers (the TPU compiler, Open Llama 3B int4), and
+    # each chip's whole dequantized projection after the packed gather (1.6 fp32 copies of the largest)
+    gathered = 1.6 * 160 * 64 * 4
+    assert plan(st).dequantized == int(3 * 5.3 * 2 * 32 * 64 * 4 + gathered)
     # 4 x 8 tokens in all, under the width: the activations are gathered instead (Llama 2 70B int4)
     few = replace(st, length=8, global_batch=4)
-    assert plan(few).dequantized == int(3 * 1.8 * 8 * 64 * 4)
+    assert plan(few).dequantized == int(3 * 1.8 * 8 * 64 * 4 + gathered)
     assert plan(one).dequantized == 0  # one chip: no more than a bf16 base keeps (Open Llama 3B and 7B int4)
     p = plan(st, layout="cpu")
     backward = max(p.logits + p.workspace, memory.backward_workspace(SHAPE, st))

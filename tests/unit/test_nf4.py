@@ -39,6 +39,9 @@ CASES = [
     ((96, 256), True, torch.float32, 32, False),
     ((64, 512), False, torch.bfloat16, 128, True),
     ((37, 256), True, torch.bfloat16, 256, True),  # 37 rows: the last block of maxima is short
+    ((64, 172), False, torch.bfloat16, 64, True),  # the Open Llama stand-in's down_proj: blocks cross rows
+    ((37, 100), True, torch.float32, 64, False),  # and a short last block of weights
+    ((37, 100), True, torch.bfloat16, 64, True),
 ]
 
 
@@ -50,6 +53,7 @@ def test_nf4_is_bitsandbytes_bit_for_bit(shape, tails, dtype, block, double):
     packed, state = bnb.quantize_4bit(weight, blocksize=block, compress_statistics=double, quant_type="nf4")
     ours = quantize_nf4(weight, block, double)
     assert ours.packed.shape == (shape[0], shape[1] // 2) and ours.packed.dtype == torch.uint8
+    assert ours.absmax.dim() == (2 if shape[1] % block == 0 else 1)
     assert torch.equal(ours.packed.reshape(-1), packed.reshape(-1))
     assert torch.equal(ours.absmax.reshape(-1), state.absmax)
     if double:
@@ -101,10 +105,11 @@ def test_quantized_linear_nf4_computes_with_bitsandbytes_weight():
     assert "nf4, group_size=64, double_quant" in repr(layer)
 
 
-def test_nf4_refuses_a_block_that_does_not_tile_a_row():
-    with pytest.raises(UserError, match=r"quantize_group_size: nf4 blocks of 64 .* 96 inputs"):
-        QuantizedLinear(96, 8, False, QuantSpec("nf4", 64, True), torch.float32)
-    QuantizedLinear(96, 8, False, QuantSpec("nf4", 32, True), torch.float32)
+def test_nf4_refuses_an_odd_input_width():
+    with pytest.raises(UserError, match=r"nf4 packs two weights a byte along a row, .* 95 inputs"):
+        QuantizedLinear(95, 8, False, QuantSpec("nf4", 64, True), torch.float32)
+    layer = QuantizedLinear(96, 8, False, QuantSpec("nf4", 64, True), torch.float32)  # blocks cross rows
+    assert layer.scale.shape == (12,) and layer.absmax2.shape == (1,)
 
 
 def test_recipe_nf4_fields():

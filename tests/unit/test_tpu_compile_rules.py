@@ -79,7 +79,7 @@ def test_a_step_too_big_to_compile_here_is_the_line_through_2_and_4_layers(tmp_p
 
     recipe = load_recipe("recipes/open_llama_7b_qlora.yaml", ["runtime.device=tpu"])
     two = cut(recipe, 2, tmp_path)
-    assert layers_of(recipe) == 32 and layers_of(two) == 2 and two.model.quantize == "int4"
+    assert layers_of(recipe) == 32 and layers_of(two) == 2 and two.model.quantize == "nf4"
     assert json.loads((tmp_path / "layers-2" / "config.json").read_text())["hidden_size"] == 4096
 
     base = TpuCompile("v5e-1", "v5e:1x1", 1, 1000, "0.0.21", "TPU v5 lite", 1.0, 2.0, 50, 30, 28)

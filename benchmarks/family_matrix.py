@@ -1,9 +1,10 @@
 """Every model family's stand-in through the whole flow, by the CLI a user runs, on the CPU backend.
 
-    .venv/bin/python scripts/family_matrix.py [--only llama3 qwen3 ...] [--steps 100] [--out FILE] [--table]
+    .venv/bin/python benchmarks/family_matrix.py [--only llama3 qwen3 ...] [--steps 100] [--out FILE] [--table]
 
-For each family (``tests/helpers/families.py``: its config.json as the Hub has it, shrunk, random weights;
-``tests/helpers/family_tokenizers.py``: its tokenizer kind, special tokens, EOS list and chat template):
+For each family's stand-in, the test suite's, built by its command (``python tests/helpers/families.py NAME
+DIR``: its config.json as the Hub has it, shrunk, random weights; its tokenizer kind, special tokens, EOS list
+and chat template, tests/helpers/family_tokenizers.py):
 
 1. ``sft`` LoRA on two-turn chat data (reverse a word, then another) with the family's own template:
    user turns masked, held-out greedy exact match before and after;
@@ -13,9 +14,13 @@ For each family (``tests/helpers/families.py``: its config.json as the Hub has i
 4. ``eval`` of the adapter: the numbers ``sft`` reported after training;
 5. ``sft`` for a few steps with full fine-tuning, and LoRA on an int8 and on an int4 base;
 6. resume: 8 LoRA steps uninterrupted, and the same run stopped by SIGTERM after step 3 and run again
-   (``--resume-only`` runs this part alone).
+   (``--resume-only`` runs this part alone);
+7. QLoRA (``--qlora-only`` runs this part alone): LoRA on an NF4 base (double quantization, bfloat16) resumed
+   as in 6., merged as trained (into the dequantized weights), and ``generate`` on the merged model against
+   ``generate`` on the adapter over the quantized base.
 
-Writes the results as JSON (``--out``) and prints a table (``--table``: the table alone, from ``--out``).
+Writes the results as JSON (``--out``, benchmarks/results/family_matrix.json by default) and prints a table
+(``--table``: the table alone, from ``--out``).
 Takes about 2 minutes per family here.
 """
 
@@ -31,12 +36,22 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "helpers"))
-
-from families import make_family  # noqa: E402
-from family_tokenizers import END_OF_TURN  # noqa: E402
+FAMILIES = ROOT / "tests" / "helpers" / "families.py"  # the stand-ins, run as a command (nothing of tests/ imported)
 
 WORDS = ["lemon", "paris", "bread", "stone", "river", "cloud", "apple", "tiger", "piano", "queen", "zebra", "mango"]
+
+
+def stand_ins() -> dict[str, str]:
+    """Every stand-in's name and the text that ends its assistant turn."""
+    listed = subprocess.run([sys.executable, str(FAMILIES)], capture_output=True, text=True, timeout=600)
+    return json.loads(checked(listed, "the stand-ins' list").stdout)
+
+
+def make_family(path: Path, name: str) -> Path:
+    """The family's stand-in built in ``path`` (config.json, weights, generation_config, tokenizer)."""
+    command = [sys.executable, str(FAMILIES), name, str(path)]
+    checked(subprocess.run(command, capture_output=True, text=True, timeout=600), f"the {name} stand-in")
+    return path
 
 
 def conversations(seed: int, n: int) -> list[dict]:
@@ -97,14 +112,14 @@ def sft_args(model: Path, train: str, evals: str, out: Path, steps: int, *extra:
     ]
 
 
-def resume_check(model: Path, train: str, evals: str, work: Path) -> dict:
+def resume_check(model: Path, train: str, evals: str, work: Path, *more: str) -> dict:
     """8 LoRA steps uninterrupted; the same run stopped by SIGTERM after step 3, then the same command again:
     the resumed run's losses and final adapter against the uninterrupted run's."""
     import signal
 
     from safetensors.torch import load_file
 
-    extra = ("train.save_steps=2", "train.logging_steps=1", "train.eval_samples=0")
+    extra = ("train.save_steps=2", "train.logging_steps=1", "train.eval_samples=0", *more)
     whole = work / "whole"
     checked(cli(*sft_args(model, train, evals, whole, 8, *extra)), "sft uninterrupted")
     out = work / "stopped"
@@ -134,6 +149,25 @@ def resume_check(model: Path, train: str, evals: str, work: Path) -> dict:
     }
 
 
+NF4 = ("model.quantize=nf4", "model.quantize_group_size=32", "model.dtype=bfloat16")
+
+
+def qlora_check(model: Path, train: str, evals: str, work: Path) -> dict:
+    """LoRA on an NF4 base: exact resume, the merge as trained, and the merged model's greedy reply against the
+    adapter's on the quantized base."""
+    result = {"resume": resume_check(model, train, evals, work, *NF4)}
+    final, merged = work / "stopped" / "final", work / "qlora-merged"
+    done = checked(cli("merge", str(final), "--out", str(merged), "--dtype", "bfloat16"), "merge nf4")
+    check = json.loads((merged / "merge.json").read_text())["check"]
+    result["merge"] = {"against": check["against"], "relative_diff": check["relative_diff"], "exit": done.returncode}
+    replies = {}
+    for what, directory in (("adapter", final), ("merged", merged)):
+        out = checked(cli("generate", str(directory), "--prompt", "reverse mango", "--max-new-tokens", "16"), what)
+        replies[what] = out.stdout.strip()
+    result["generate"] = replies | {"same": replies["adapter"] == replies["merged"]}
+    return result
+
+
 def logits_gap(model: Path, adapter: Path, merged: Path, text: str) -> float:
     """Max |logit| difference between the merged model and PEFT's base + adapter, both in plain transformers."""
     import torch
@@ -148,11 +182,11 @@ def logits_gap(model: Path, adapter: Path, merged: Path, text: str) -> float:
     return float((got - reference).abs().max())
 
 
-def family(name: str, work: Path, steps: int) -> dict:
+def family(name: str, end_of_turn: str | None, work: Path, steps: int) -> dict:
     model = make_family(work / "model", name)  # with the family's tokenizer
     train = write_jsonl(work / "train.jsonl", conversations(0, 512))
     evals = write_jsonl(work / "eval.jsonl", conversations(1, 64))  # one batch at least: a partial one is dropped
-    result: dict = {"family": name, "end_of_turn": END_OF_TURN.get(name)}
+    result: dict = {"family": name, "end_of_turn": end_of_turn}
     started = time.perf_counter()
     checked(cli(*sft_args(model, train, evals, work / "lora", steps, "train.learning_rate=3e-3")), "sft lora")
     metrics = json.loads((work / "lora" / "final" / "metrics.json").read_text())
@@ -200,15 +234,26 @@ def family(name: str, work: Path, steps: int) -> dict:
     return result
 
 
+def _qlora_cell(qlora: dict | None) -> str:
+    if not qlora:
+        return "not run"
+    if "error" in qlora:
+        return f"error: {qlora['error'][:60]}"
+    resume, merge = qlora["resume"], qlora["merge"]
+    same = "same reply" if qlora["generate"]["same"] else "replies differ"
+    return f"loss gap {resume['max_loss_gap']:.0e}; merge {merge['relative_diff']:.0e} vs nf4 base; {same}"
+
+
 def table(recorded: dict) -> str:
     """The results as a Markdown table."""
     rows = [
-        "| family | end of turn | exact match before -> after | merge gap | generate | full | int8 | int4 | resume |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| family | end of turn | exact match before -> after | merge gap | generate | full | int8 | int4 | resume "
+        "| nf4: resume, merge as trained, merged generates alike |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in recorded.items():
         if "error" in r:
-            rows.append(f"| {name} | error: {r['error'][:80]} | | | | | | | |")
+            rows.append(f"| {name} | error: {r['error'][:80]} | | | | | | | | |")
             continue
         lora, reply = r["lora"], r["generate"]
         modes = [("ok" if r[m]["exit"] == 0 else f"exit {r[m]['exit']}") for m in ("full", "int8", "int4")]
@@ -220,6 +265,7 @@ def table(recorded: dict) -> str:
             modes.append(f"steps {steps[0]}-{steps[-1]} again, loss gap {resume['max_loss_gap']:.0e}")
         else:
             modes.append("not run")
+        modes.append(_qlora_cell(r.get("qlora")))
         rows.append(
             f"| {name} | `{r['end_of_turn']!r}` | {lora['exact_match_before']:.2f} -> {lora['exact_match_after']:.2f} "
             f"| {r['merge_max_logit_gap']:.1e} | {reply['reply']!r} ({reply['stopped']}) | {' | '.join(modes)} |"
@@ -228,32 +274,33 @@ def table(recorded: dict) -> str:
 
 
 def main() -> int:
-    from families import NAMES
-
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", nargs="*", default=None)
     parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--out", type=Path, default=ROOT / "scripts" / "results" / "family_matrix.json")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "family_matrix.json")
     parser.add_argument("--table", action="store_true", help="print the table of --out and run nothing")
     parser.add_argument("--resume-only", action="store_true", help="run only the resume check, into --out")
+    parser.add_argument("--qlora-only", action="store_true", help="run only the NF4 QLoRA check, into --out")
     args = parser.parse_args()
     recorded = json.loads(args.out.read_text()) if args.out.exists() else {}
-    names = [] if args.table else [n for n in (*NAMES, "gemma3_multimodal") if args.only is None or n in args.only]
+    families = {} if args.table else stand_ins()
+    names = [n for n in families if args.only is None or n in args.only]
     for name in names:
         print(f"[{name}]", file=sys.stderr, flush=True)
         with tempfile.TemporaryDirectory(prefix=f"lowmem-family-{name}-") as tmp:
-            if args.resume_only:
+            if args.resume_only or args.qlora_only:
                 model = make_family(Path(tmp) / "model", name)
                 train = write_jsonl(Path(tmp) / "train.jsonl", conversations(0, 512))
                 evals = write_jsonl(Path(tmp) / "eval.jsonl", conversations(1, 64))
+                part, check = ("qlora", qlora_check) if args.qlora_only else ("resume", resume_check)
                 try:
-                    resume = resume_check(model, train, evals, Path(tmp))
+                    found = check(model, train, evals, Path(tmp))
                 except RuntimeError as err:
-                    resume = {"error": str(err)}
-                recorded[name] = recorded.get(name, {"family": name}) | {"resume": resume}
+                    found = {"error": str(err)}
+                recorded[name] = recorded.get(name, {"family": name}) | {part: found}
             else:
                 try:
-                    recorded[name] = family(name, Path(tmp), args.steps)
+                    recorded[name] = family(name, families[name], Path(tmp), args.steps)
                 except RuntimeError as err:
                     recorded[name] = {"family": name, "error": str(err)}
         print(json.dumps(recorded[name])[:600], file=sys.stderr, flush=True)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The first thing to run on a TPU VM (Kaggle's v5e-8, Colab's v5e-1, a Cloud TPU), and what to send back:
-#   bash scripts/tpu_smoke.sh [OUT_DIR]        (default: tpu-smoke-<date>)
+# The first thing to run on a TPU VM (Kaggle's v5e-8, Colab's v5e-1, a Cloud TPU), and what to send back;
+# run by hand there (README.md, docs/tpu.md), from the repository's root:
+#   bash tools/tpu_smoke.sh [OUT_DIR]        (default: tpu-smoke-<date>)
 # 1. lowmem-tpu doctor: versions, libtpu, the chips, a few tiny bf16 steps (compile time, MFU, HBM per chip)
 # 2. the tiny recipe in bf16 on the TPU (sharded over every chip): metrics.json, metrics.jsonl
 # 3. lowmem-tpu compare on it: LoRA vs full, the TPU compiler's figure beside the runtime's HBM peak

@@ -5,10 +5,10 @@ vocab 32000), LoRA and full fine-tuning, 1/2/4/8 devices, activation checkpointi
 Each point compiles the real training step of ``recipes/tiny_lora_cpu.yaml`` (with overrides) in
 its own subprocess and compares the planner (CPU-backend layout) with XLA's buffer assignment.
 
-    python scripts/memory_grid.py                      # the whole grid, ~20 min on 2 cores
-    python scripts/memory_grid.py --models tiny --devices 4 --json grid.json
-    python scripts/memory_grid.py --replan grid.json   # the planner again on rows measured before
-    python scripts/memory_grid.py --models tiny,m512 --modes lora --quantize none,int8,int4 --devices 1,4
+    python benchmarks/memory_grid.py                      # the whole grid, ~20 min on 2 cores
+    python benchmarks/memory_grid.py --models tiny --devices 4 --json grid.json
+    python benchmarks/memory_grid.py --replan grid.json   # the planner again on rows measured before
+    python benchmarks/memory_grid.py --models tiny,m512 --modes lora --quantize none,int8,int4 --devices 1,4
 
 ``--quantize`` (LoRA points only) freezes the base in int8 or int4 (``model.quantize``); ``m512`` is a
 small Llama whose weights are a large share of the peak (hidden 512, 4 layers, 4 x 256 tokens per
@@ -19,18 +19,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from lowmem_tpu.config import load_recipe
+from lowmem_tpu.measure.local import compile_step
+from lowmem_tpu.memory.advise import plan_recipe
+from lowmem_tpu.model.loading import require_config
 
-from lowmem_tpu.config import load_recipe  # noqa: E402
-from lowmem_tpu.measure.local import compile_step  # noqa: E402
-from lowmem_tpu.memory.advise import plan_recipe  # noqa: E402
-from lowmem_tpu.model.loading import require_config  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 LLAMA_162M = {
     "architectures": ["LlamaForCausalLM"],

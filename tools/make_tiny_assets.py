@@ -4,14 +4,20 @@ Writes into ``lowmem_tpu/assets``:
   tiny-llama/   config.json (a 4-layer Llama) + a character-level tokenizer with a chat template
   reverse/      train.jsonl and eval.jsonl: "reverse abcde" -> "edcba", in chat format
 
-Run it again to regenerate; the output is byte-identical for the same code.
+    python tools/make_tiny_assets.py           # write them (after changing this file)
+    python tools/make_tiny_assets.py --check   # exit 1 naming each shipped file that differs from its build
+
+The output is byte-identical for the same code; a unit test (tests/unit/test_recipe.py) runs ``--check``.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 import string
+import sys
+import tempfile
 from pathlib import Path
 
 ASSETS = Path(__file__).resolve().parents[1] / "lowmem_tpu" / "assets"
@@ -41,6 +47,7 @@ def build_tokenizer(out: Path) -> int:
         unk_token="<unk>",
         bos_token="<s>",
         eos_token="</s>",
+        add_bos_token=True,  # BOS before every text, as Llama's tokenizer puts it (its post-processor)
         # No pad token, like Llama: lowmem-tpu must pick one without hiding the EOS.
     )
     tokenizer.chat_template = CHAT_TEMPLATE
@@ -95,13 +102,37 @@ def write_dataset(out: Path, n_train: int = 4000, n_eval: int = 200) -> None:
         (out / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
 
 
-def main() -> None:
-    model_dir = ASSETS / "tiny-llama"
+def build(assets: Path) -> list[Path]:
+    """Write the assets under ``assets``; the files written, relative to it."""
+    model_dir = assets / "tiny-llama"
     model_dir.mkdir(parents=True, exist_ok=True)
     write_config(model_dir, build_tokenizer(model_dir))
-    write_dataset(ASSETS / "reverse")
-    print(f"wrote {model_dir} and {ASSETS / 'reverse'}")
+    write_dataset(assets / "reverse")
+    return sorted(p.relative_to(assets) for part in ("tiny-llama", "reverse") for p in (assets / part).rglob("*"))
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 naming each shipped file that differs")
+    if not parser.parse_args(argv).check:
+        build(ASSETS)
+        print(f"wrote {ASSETS / 'tiny-llama'} and {ASSETS / 'reverse'}")
+        return 0
+    with tempfile.TemporaryDirectory() as tmp:
+        built = build(Path(tmp))
+        differ = [f"{p}: differs" for p in built if not _same(ASSETS / p, Path(tmp) / p)]
+    shipped = sorted(p.relative_to(ASSETS) for part in ("tiny-llama", "reverse") for p in (ASSETS / part).rglob("*"))
+    differ += [f"{p}: not built by this" for p in shipped if p not in built]
+    for line in differ:
+        print(f"lowmem_tpu/assets/{line}", file=sys.stderr)
+    if differ:
+        print("run: python tools/make_tiny_assets.py", file=sys.stderr)
+    return 1 if differ else 0
+
+
+def _same(shipped: Path, built: Path) -> bool:
+    return shipped.is_file() and shipped.read_bytes() == built.read_bytes()
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main(sys.argv[1:]))

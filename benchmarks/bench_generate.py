@@ -1,7 +1,7 @@
 """How many XLA graphs generation compiles, and its tokens/s, on a trained adapter (the demo's by default).
 
     lowmem-tpu sft output_dir=outputs/tiny_lora_cpu        # the demo, if not trained yet
-    python scripts/bench_generate.py outputs/tiny_lora_cpu/final --prompts 20 [--device xla|cpu] [--json F]
+    python benchmarks/bench_generate.py outputs/tiny_lora_cpu/final --prompts 20 [--device xla|cpu] [--json F]
 
 Loads the model once, completes ``--prompts`` held-out prompts one by one (greedy, up to 16 new
 tokens) and reports the graphs compiled after the first prompt and after all of them, with
@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 
 def main() -> None:

@@ -1,15 +1,16 @@
 """The planner's TPU layout against the TPU compiler (libtpu's compile-only client), over a grid of levers.
 
-    .venv/bin/python scripts/tpu_planner_grid.py [--models tiny,mini,w3b] [--devices v5e-8,v5e-1] [--only NAME ...]
-                                                [--json scripts/results/tpu_planner_grid.json] [--keep DIR]
-    .venv/bin/python scripts/tpu_planner_grid.py --json scripts/results/tpu_planner_grid.json --replan [--pivot]
+    .venv/bin/python benchmarks/tpu_planner_grid.py [--models tiny,mini,w3b] [--devices v5e-8,v5e-1]
+                                                   [--only NAME ...] [--json benchmarks/results/tpu_planner_grid.json]
+                                                   [--keep DIR]
+    .venv/bin/python benchmarks/tpu_planner_grid.py --json benchmarks/results/tpu_planner_grid.json --replan [--pivot]
 
 Each point is ``recipes/tiny_lora_cpu.yaml`` with overrides, its steady step traced with placeholders
 and compiled for the device (``lowmem-tpu memory --compile``), beside the planner's peak for the same
 recipe and device. ``mini`` has Open Llama 3B's proportions (head size 100, MLP 2.7 x hidden, vocabulary
 32,000) at 4 layers of hidden 400; ``w3b`` is Open Llama 3B itself cut to 4 of its 26 layers, at the shipped
 recipes' batch (32 x 1024 tokens on v5e-8, 4 x 1024 on v5e-1). The whole 3B is the shipped recipes
-(scripts/tpu_compile_recipes.py).
+(tools/tpu_compile_recipes.py).
 Prints a markdown table and the worst point; ``--json`` keeps every figure (points compiled again replace
 theirs), and ``--replan`` puts the planner as it is now beside the recorded compiler figures, compiling
 nothing (a 3B-width point takes about 5 minutes to compile here, the whole grid hours).
@@ -24,8 +25,6 @@ import tempfile
 import time
 from pathlib import Path
 
-from memory_levers import MINI  # Open Llama 3B's proportions at 4 layers of hidden 400 (scripts/ is on the path)
-
 from lowmem_tpu.config import Recipe, load_recipe
 from lowmem_tpu.config.devices import DEVICES
 from lowmem_tpu.errors import UserError
@@ -34,6 +33,8 @@ from lowmem_tpu.memory.advise import plan_recipe
 from lowmem_tpu.model.loading import require_config
 
 ROOT = Path(__file__).resolve().parents[1]
+# memory_levers.py's ``mini``: Open Llama 3B's proportions at 4 layers of hidden 400.
+MINI = json.loads((Path(__file__).resolve().parent / "mini_llama.json").read_text())
 # Every point trains bf16 weights as a TPU run does (the tiny recipe is fp32 for the CPU backend).
 COMMON = ["model.dtype=bfloat16", "train.eval_samples=0", "data.eval_path=null", "train.eval_steps=null"]
 POINTS = {

@@ -1,8 +1,8 @@
 """What fills a TPU step's HBM: the kept dumps of ``lowmem-tpu memory --compile`` read apart, per chip.
 
-    .venv/bin/python scripts/tpu_buffer_anatomy.py DIR [DIR ...] [--json anatomy.json]
+    .venv/bin/python benchmarks/tpu_buffer_anatomy.py DIR [DIR ...] [--json anatomy.json]
 
-Each DIR is one point kept by ``scripts/tpu_planner_grid.py --keep`` (or ``compile_recipe(keep=...)``):
+Each DIR is one point kept by ``benchmarks/tpu_planner_grid.py --keep`` (or ``compile_recipe(keep=...)``):
 its ``tpu/*after_optimizations-buffer-assignment.txt`` is split into the entry parameters, the HBM
 temporaries, how much of those the compiler's tuple tables take, and the on-chip memory (VMEM,
 colour 1) beside it. A tuple table (the 512-byte operand list of an async copy or collective, of a

@@ -1,6 +1,6 @@
 """Host memory of loading a checkpoint: transformers' ``from_pretrained`` vs quantizing while reading.
 
-    python scripts/quant_load_memory.py [--hidden 1024] [--layers 8]
+    python benchmarks/quant_load_memory.py [--hidden 1024] [--layers 8]
 
 Saves a random-init Llama (safetensors, float32, Open Llama's proportions at the given width and
 depth) once, then loads it in a fresh process per way of loading and samples the process's

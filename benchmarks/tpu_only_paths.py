@@ -1,6 +1,6 @@
 """The TPU-only paths (flash attention, dropout's mask, quantized bases) compiled by the TPU compiler.
 
-    .venv/bin/python scripts/tpu_only_paths.py [--layers 4] [--only NAME ...] [--json scripts/results/X.json]
+    .venv/bin/python benchmarks/tpu_only_paths.py [--layers 4] [--only NAME ...] [--json benchmarks/results/X.json]
 
 Each point is a shipped Open Llama recipe (``open_llama_lora.yaml`` on v5e-8, ``open_llama_lora_v5e1.yaml``
 on v5e-1, ``open_llama_full.yaml``, ``open_llama_7b_qlora.yaml`` on v5e-1) on the model's exact width

@@ -1,6 +1,6 @@
 """What checkpointing costs: time per save and whole-run time with and without ``train.save_steps``.
 
-    python scripts/bench_checkpoint.py [--steps 16] [--models demo,m100] [--modes lora,full]
+    python benchmarks/bench_checkpoint.py [--steps 16] [--models demo,m100] [--modes lora,full]
 
 Each point runs the real ``lowmem-tpu sft`` in this process on 4 CPU XLA devices: an 8-step warm-up
 run (so that neither measured run pays for compiling), then once without saves and once saving every

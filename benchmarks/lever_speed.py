@@ -1,9 +1,9 @@
 """Step time of each memory lever against the plain step: ``lowmem-tpu sft`` itself, alternating.
 
-    python scripts/lever_speed.py [--rounds 2] [--steps 6] [--length 128]
+    python benchmarks/lever_speed.py [--rounds 2] [--steps 6] [--length 128]
 
-The model is ``memory_levers.py``'s ``mini`` (Open Llama's proportions, 4 layers of hidden 400,
-vocabulary 32000, random init) on 4 CPU devices, LoRA, fp32, 16 sequences of ``--length`` tokens
+The model is ``memory_levers.py``'s ``mini`` (benchmarks/mini_llama.json: Open Llama's proportions, 4 layers
+of hidden 400, vocabulary 32000, random init) on 4 CPU devices, LoRA, fp32, 16 sequences of ``--length`` tokens
 per step. Each round runs every lever once, in order; a lever's figure is the median over rounds
 of its steady step time divided by the plain step's in the same round. Writes
 ``outputs/lever_speed/lever_speed.json``.
@@ -14,16 +14,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
-
-from memory_levers import MINI  # noqa: E402
-
+# memory_levers.py's ``mini``: Open Llama's proportions at 4 layers of hidden 400, vocabulary 32000.
+MINI = json.loads((Path(__file__).resolve().parent / "mini_llama.json").read_text())
 OUT = ROOT / "outputs/lever_speed"
 LEVERS = {
     "plain (checkpointing on)": [],

@@ -1,6 +1,9 @@
 """Every shipped recipe compiled by the TPU compiler for its target (``lowmem-tpu memory --compile``).
 
-    .venv/bin/python scripts/tpu_compile_recipes.py [--only NAME ...] [--out docs/tpu_compile.json] [--check]
+Run by ``make tpu-compile-check`` (CI: .ci/run) as ``python tools/tpu_compile_recipes.py --check --timeout 1200``,
+and by hand after a change to a shipped recipe's step (docs/tpu_compile.json's figures, the README's table):
+
+    .venv/bin/python tools/tpu_compile_recipes.py [--only NAME ...] [--out docs/tpu_compile.json] [--check]
 
 Each recipe's steady training step is traced on the CPU backend with placeholders for its weights
 and compiled with libtpu's compile-only client for its ``runtime.target`` (the tiny CPU demo for

@@ -1,6 +1,6 @@
 """Overhead of ``lowmem-tpu sft`` against the floor of this stack, in one process, alternating.
 
-    python scripts/bench.py [--steps 60] [--rounds 5] [KEY=VALUE ...]   (overrides of the tiny recipe)
+    python benchmarks/bench.py [--steps 60] [--rounds 5] [KEY=VALUE ...]   (overrides of the tiny recipe)
 
 (a) ``lowmem-tpu sft`` (XlaSFTTrainer); (b) a minimal hand-written torch_xla SPMD loop with the
 same model, data, sharding, checkpointing, optimizer and schedule, fed as the Trainer feeds its

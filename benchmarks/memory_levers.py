@@ -1,9 +1,9 @@
 """Each memory lever, planned beside the CPU compiler's figure for the real step (tiny Llama, fp32).
 
-    python scripts/memory_levers.py [--model tiny|mini] [--devices 4] [--length 512] [--batch 64] [--json F]
+    python benchmarks/memory_levers.py [--model tiny|mini] [--devices 4] [--length 512] [--batch 64] [--json F]
 
 For every point the recipe is the embedded tiny one (or ``--model mini``: Open Llama's proportions,
-4 layers) at ``--length`` tokens, ``--batch`` sequences per step,
+4 layers: benchmarks/mini_llama.json) at ``--length`` tokens, ``--batch`` sequences per step,
 with the lever's overrides; the step is compiled (not run) on ``--devices`` CPU devices with the
 memory-minimizing scheduler, and the largest program's per-device bytes are read (with
 accumulation: the largest micro-batch program). Prints a Markdown table: planned (CPU layout),
@@ -14,18 +14,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from lowmem_tpu.config import load_recipe
+from lowmem_tpu.measure.local import compile_step
+from lowmem_tpu.memory.plan import plan_setting
+from lowmem_tpu.memory.shape import setting_of, shape_of
+from lowmem_tpu.model.loading import require_config
 
-from lowmem_tpu.config import load_recipe  # noqa: E402
-from lowmem_tpu.measure.local import compile_step  # noqa: E402
-from lowmem_tpu.memory.plan import plan_setting  # noqa: E402
-from lowmem_tpu.memory.shape import setting_of, shape_of  # noqa: E402
-from lowmem_tpu.model.loading import require_config  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 OFF = "sharding.activation_checkpointing=false"
 CHUNKED = ["model.attn_implementation=chunked"]
@@ -47,23 +45,9 @@ POINTS = {  # name -> overrides
     ],
 }
 
-# --model mini: Open Llama 3B's proportions (head size 100, intermediate 2.7 x hidden, vocabulary
-# 32000) at 4 layers of hidden 400, so the loss's [tokens, vocab] buffers weigh as they do there.
-MINI = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 400,
-    "intermediate_size": 1080,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 4,
-    "max_position_embeddings": 2048,
-    "vocab_size": 32000,
-    "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": False,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-}
+# --model mini (benchmarks/mini_llama.json): Open Llama 3B's proportions (head size 100, intermediate 2.7 x
+# hidden, vocabulary 32000) at 4 layers of hidden 400, so the loss's [tokens, vocab] buffers weigh as they do there.
+MINI = json.loads((Path(__file__).resolve().parent / "mini_llama.json").read_text())
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """Step time of LoRA on an int8 / int4 base against the unquantized base, same CPU devices, one process.
 
-    python scripts/bench_quant.py [--steps 60] [--rounds 2] [--hidden 512] [KEY=VALUE ...]
+    python benchmarks/bench_quant.py [--steps 60] [--rounds 2] [--hidden 512] [KEY=VALUE ...]
 
 Runs ``lowmem-tpu sft`` (``run_sft``) on a 4-layer Llama of the given width (random init, the
 shipped character tokenizer) with ``model.quantize`` none, int8 and int4, alternating the order

@@ -1,23 +1,21 @@
-"""The fault matrix: a run SIGKILLed at every fault point resumes to the uninterrupted run's weights, bit for bit.
-
-    python scripts/fault_matrix.py [--quick] [--modes lora,full] [--cases save-state:2,final-publish]
-                                   [--json PATH] [--work DIR] [--keep]
+"""The fault matrix: runs killed at the fault points (``lowmem_tpu.faults``), what each kill left, the resume.
 
 For each mode (LoRA; full fine-tuning with ``lora.enabled=false``) the tiny CPU recipe runs once
 uninterrupted (``lowmem-tpu sft recipes/tiny_lora_cpu.yaml`` with the overrides in ``RUN``: 6 steps, a
-checkpoint every 2, two kept, dropout on, two micro-batches per step). Then, for each case, the same command
-runs with ``LOWMEM_TPU_KILL_AT=CASE`` (``lowmem_tpu.faults``: the process SIGKILLs itself at that point, the
-N-th time for ``POINT:N``), which must end it with SIGKILL; the directory it leaves is checked (every
+checkpoint every 2, two kept, dropout on, two micro-batches per step). A case (``run_case``) runs the same
+command with ``LOWMEM_TPU_KILL_AT=CASE`` (the process SIGKILLs itself at that point, the N-th time for
+``POINT:N``), which must end it with SIGKILL; the directory it leaves is checked (``check_dir``: every
 ``checkpoints/step-N`` whole and loadable, ``final/`` whole if present, every data cache entry readable;
 half-written ones only under names the next run removes or ignores); then the same command runs again,
 unchanged, and must finish (exit 0) with ``final/*.safetensors`` equal to the uninterrupted run's, tensor by
-tensor and byte for byte. It prints a table (fault point, mode, tried, survived) and each case; ``--json``
-writes them. Exits 1 if any case fails. Each case costs two runs (about two minutes on 2 CPU cores).
+tensor and byte for byte (``weight_difference``). Every run is the real CLI in a subprocess.
+
+``benchmarks/fault_matrix.py`` runs every case (its record: benchmarks/results/fault_matrix.json, the table
+in docs/faults.md); ``tests/e2e/test_faults.py`` runs a representative subset with the same settings and checks.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -29,7 +27,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
 RECIPE = "recipes/tiny_lora_cpu.yaml"
 RUN = [
     "train.max_steps=6",
@@ -76,7 +73,7 @@ def command(out: Path, mode: str) -> list[str]:
 
 def sft(out: Path, mode: str, kill: str | None = None, timeout: int = 1200) -> subprocess.CompletedProcess[str]:
     """``lowmem-tpu sft`` of this mode into ``out`` (killed at ``kill``, if given)."""
-    return subprocess.run(command(out, mode), cwd=ROOT, env=env(kill), capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(command(out, mode), env=env(kill), capture_output=True, text=True, timeout=timeout)
 
 
 def check_dir(out: Path) -> list[str]:
@@ -165,7 +162,7 @@ def reference(work: Path, mode: str) -> Path:
     shutil.rmtree(out, ignore_errors=True)
     proc = sft(out, mode)
     if proc.returncode:
-        raise SystemExit(f"the uninterrupted {mode} run failed (exit {proc.returncode}): {tail(proc, 20)}")
+        raise RuntimeError(f"the uninterrupted {mode} run failed (exit {proc.returncode}): {tail(proc, 20)}")
     return out / "final"
 
 
@@ -207,6 +204,7 @@ def summary(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def table(results: list[dict[str, Any]]) -> str:
+    """The matrix as Markdown: per fault point and mode, then each case (docs/faults.md's table)."""
     lines = ["| fault point | mode | tried | survived |", "|---|---|---|---|"]
     lines += [f"| `{r['point']}` | {r['mode']} | {r['tried']} | {r['survived']} |" for r in summary(results)]
     lines += ["", "| case | mode | exit of the killed run | the same command again resumed from | result |"]
@@ -215,39 +213,3 @@ def table(results: list[dict[str, Any]]) -> str:
         verdict = "same weights, bit for bit" if r["survived"] else "FAILED: " + "; ".join(r["problems"])
         lines.append(f"| `{r['case']}` | {r['mode']} | {r['exit']} | {r['resumed_from'] or 'start'} | {verdict} |")
     return "\n".join(lines)
-
-
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a subset: " + json.dumps(QUICK))
-    parser.add_argument("--modes", default="lora,full", help="lora, full or both (default)")
-    parser.add_argument("--cases", default="", help="comma-separated cases (default: all of CASES)")
-    parser.add_argument("--json", type=Path, help="write the results here as JSON")
-    parser.add_argument("--work", type=Path, default=ROOT / "outputs" / "fault_matrix", help="run directories")
-    parser.add_argument("--keep", action="store_true", help="keep the run directories of cases that survived")
-    args = parser.parse_args()
-    modes = [m for m in args.modes.split(",") if m]
-    chosen = [c for c in args.cases.split(",") if c]
-    started, results = time.perf_counter(), []
-    for mode in modes:
-        cases = chosen or (QUICK[mode] if args.quick else [c for c, _ in CASES if c != "base" or mode == "lora"])
-        print(f"{mode}: the uninterrupted run", flush=True)
-        ref = reference(args.work, mode)
-        for case in cases:
-            result = run_case(args.work, mode, case, ref, args.keep)
-            results.append(result)
-            verdict = "survived" if result["survived"] else "FAILED: " + "; ".join(result["problems"])
-            print(f"{mode} {case}: {verdict} ({result['seconds']} s)", flush=True)
-    text = table(results)
-    print("\n" + text)
-    minutes = (time.perf_counter() - started) / 60
-    print(f"\n{sum(r['survived'] for r in results)} of {len(results)} cases survived in {minutes:.0f} min")
-    if args.json:
-        record = {"recipe": RECIPE, "overrides": RUN, "modes": MODES, "summary": summary(results), "cases": results}
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(record, indent=2) + "\n")
-    return 0 if all(r["survived"] for r in results) else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,6 @@
 """Compile time of Open Llama 3B's depth (26 layers, narrow): unrolled layers vs ``sharding.scan_layers``.
 
-    python scripts/scan_compile.py [--steps 6] [KEY=VALUE ...]
+    python benchmarks/scan_compile.py [--steps 6] [KEY=VALUE ...]
 
 Runs ``lowmem-tpu sft`` (LoRA, FSDP over 4 CPU devices, per-layer checkpointing) twice, each in
 its own process so nothing is cached in memory: once with the layers unrolled, once scanned.

@@ -1,9 +1,10 @@
 """The Open Llama path on the CPU, end to end, with the figures that say it is right.
 
-    python scripts/rehearse_open_llama.py [--steps 10]
+    python benchmarks/rehearse_open_llama.py [--steps 10]
 
-Builds an Open-Llama-shaped directory (tests/helpers/open_llama_like.py: the Hub's file set, a 400-piece
-sentencepiece tokenizer, bf16 weights in pytorch_model.bin) and a small Alpaca file, then runs
+Builds an Open-Llama-shaped directory (``python tests/helpers/open_llama_like.py DIR``, the test suite's
+stand-in, run as a command: the Hub's file set, a 400-piece sentencepiece tokenizer, bf16 weights in
+pytorch_model.bin) and a small Alpaca file (``ALPACA``: tests/helpers/open_llama_data.py's records), then runs
 the shipped recipes on it with local overrides: ``open_llama_lora.yaml``, and
 ``open_llama_full.yaml`` with AdamW at lr 2e-5 (constant) in bf16 with and without fp32 master
 weights and in fp32. Prints the first losses, the fraction of weights each full run moved, and the
@@ -20,28 +21,39 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "outputs" / "rehearse_open_llama"
+# The local overrides of tests/e2e/test_open_llama.py (4 CPU devices, batch 8 x 128, a log every step, no
+# saves): the rehearsal's figures in docs/cpu.md use these.
+STEPS = [
+    "runtime.device=cpu",
+    "runtime.num_cpu_devices=4",
+    "data.max_length=128",
+    "train.global_batch_size=8",
+    "train.logging_steps=1",
+    "train.warmup_steps=0",
+    "train.save_steps=null",
+    "train.max_wall_time=null",
+    "runtime.compile_cache_dir=null",
+]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10)
     args = parser.parse_args()
-    sys.path.insert(0, str(ROOT / "tests" / "helpers"))
+    import subprocess
+
     import torch
-    from open_llama_like import build
     from safetensors.torch import load_file
-    from test_open_llama import ALPACA, STEPS
 
     from lowmem_tpu.config import load_recipe
     from lowmem_tpu.sft import run_sft
 
     OUT.mkdir(parents=True, exist_ok=True)
     model = OUT / "open_llama_like"
-    if not (model / "tokenizer.model").exists():
-        build(model)
-    data = OUT / "alpaca.json"
-    data.write_text(json.dumps(ALPACA * 8))
-    # The test's local overrides: 4 CPU devices, batch 8 x 128, a log every step, no saves.
+    if not (model / "tokenizer.model").exists():  # the test suite's stand-in, run as a command
+        subprocess.run([sys.executable, str(ROOT / "tests" / "helpers" / "open_llama_like.py"), str(model)], check=True)
+    data = OUT / "alpaca.json"  # the test suite's records, written by their command
+    subprocess.run([sys.executable, str(ROOT / "tests" / "helpers" / "open_llama_data.py"), str(data)], check=True)
     local = [f"model.name_or_path={model}", f"data.path={data}", *STEPS, f"train.max_steps={args.steps}"]
     local.append("train.resume=never")
     full = ["train.optimizer=adamw", "train.learning_rate=2e-5", "train.lr_scheduler=constant"]

@@ -1,6 +1,6 @@
 """What each quantized base costs in quality, on a model trained to a real loss: the QLoRA table.
 
-    python scripts/quant_quality.py [--minutes 4] [--lora-steps 120] [--table]
+    python benchmarks/quant_quality.py [--minutes 4] [--lora-steps 120] [--table]
 
 A byte-level Llama (vocabulary 256, 4 layers, width 256) is pretrained on the CPU for a few minutes on
 Python's own standard library source (shipped with every Python), so its weights carry the structure
@@ -13,7 +13,10 @@ quantization (QLoRA's), each built by the project's own quantizer (``model.quant
   new domain), and the held-out loss on docs it did not train on;
 - the base's bytes per parameter (packed weights and scales of the quantized linears).
 
-Writes ``scripts/results/quant_quality.json``; ``--table`` prints the markdown table from it.
+Writes ``benchmarks/results/quant_quality.json``; ``--table`` prints the markdown table from it.
+
+Calibration: the quality each quantized base (int8, int4, nf4, nf4 with double quantization) costs against
+bf16, before and after LoRA (the QLoRA table); no doc cites its record yet, and none is committed.
 """
 
 from __future__ import annotations
@@ -167,7 +170,7 @@ def run(minutes: float, lora_steps: int) -> dict:
         rows.append(row)
         print(f"  {row}", flush=True)
     return {
-        "command": "python scripts/quant_quality.py " + " ".join(sys.argv[1:]),
+        "command": "python benchmarks/quant_quality.py " + " ".join(sys.argv[1:]),
         "model": "byte-level Llama, 4 layers, width 256, 4 heads, MLP 704; pretrained in fp32",
         "pretraining": {"minutes": minutes, "steps": steps, "batch": 16, "length": SEQ, "bytes": len(code_train)},
         "lora": {"steps": lora_steps, "rank": 16, "alpha": 32, "target_modules": "all-linear", "lr": 2e-3},

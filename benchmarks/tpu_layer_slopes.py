@@ -1,7 +1,7 @@
 """What a decoder layer costs the TPU compiler per chip: one recipe compiled at 2 and 4 layers, the difference.
 
-    .venv/bin/python scripts/tpu_layer_slopes.py NAME RECIPE DEVICE [OVERRIDE ...] [--keep DIR]
-                                                [--json scripts/results/tpu_layer_slopes.json]
+    .venv/bin/python benchmarks/tpu_layer_slopes.py NAME RECIPE DEVICE [OVERRIDE ...] [--keep DIR]
+                                                   [--json benchmarks/results/tpu_layer_slopes.json]
 
 e.g. ``q70b recipes/llama2_70b_qlora_v5e8.yaml v5e-8`` or ``q3b recipes/open_llama_lora.yaml v5e-8
 model.quantize=int4``. The step is traced with placeholders and compiled by libtpu (``lowmem-tpu memory

@@ -1,7 +1,7 @@
 """Peak host memory (RSS) of ``lowmem-tpu merge``, measured with ``/usr/bin/time -v``.
 
-    .venv/bin/python scripts/measure_merge_memory.py                  # tiny, 0.5b, 1b
-    .venv/bin/python scripts/measure_merge_memory.py --sizes tiny,1b --work /tmp/merge-mem
+    .venv/bin/python benchmarks/measure_merge_memory.py                  # tiny, 0.5b, 1b
+    .venv/bin/python benchmarks/measure_merge_memory.py --sizes tiny,1b --work /tmp/merge-mem
 
 For each size it saves a random-init Llama base in bfloat16 and a LoRA adapter for it (r=16 on
 every projection, random A and B, like a trained adapter), then runs the real CLI

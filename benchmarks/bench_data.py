@@ -1,15 +1,16 @@
 """How long tokenizing Alpaca-sized data takes: the first pass, and the cached pass a rerun or resume gets.
 
-    python scripts/bench_data.py [--records 51760] [--max-length 1024] [--fast]
+    python benchmarks/bench_data.py [--records 51760] [--max-length 1024] [--fast]
 
 Writes a synthetic Alpaca file of ``--records`` records (alpaca-cleaned has 51,760; lengths drawn
 to look like it: instructions of ~15 words, an input on 40% of them, outputs of ~50-250 words),
-builds the Open-Llama-shaped tokenizer (tests/helpers/open_llama_like.py: sentencepiece ``tokenizer.model``,
-loaded slow unless ``--fast``), then runs ``data.build_dataset`` twice with a cache directory.
-Prints seconds for each pass, the cache's size and the peak RSS (what each host of a pod slice holds:
-every host builds the same rows), then times ``lowmem-tpu data`` (the preview command, a fresh process)
-on the same file: when its first rows appear and when its counts over every record do, into a fresh
-output_dir and then again from its cache. Writes ``outputs/bench_data/bench_data.json``.
+builds the Open-Llama-shaped tokenizer (``python tests/helpers/open_llama_like.py DIR``, the test suite's
+stand-in, run as a command: sentencepiece ``tokenizer.model``, loaded slow unless ``--fast``), then runs
+``data.build_dataset`` twice with a cache directory. Prints seconds for each pass, the cache's size and the
+peak RSS (what each host of a pod slice holds: every host builds the same rows), then times ``lowmem-tpu
+data`` (the preview command, a fresh process) on the same file: when its first rows appear and when its
+counts over every record do, into a fresh output_dir and then again from its cache. Writes
+``outputs/bench_data/bench_data.json``.
 """
 
 from __future__ import annotations
@@ -48,15 +49,19 @@ def synthetic(records: int, seed: int = 0) -> list[dict[str, str]]:
     ]
 
 
+def build_open_llama_like(model: Path) -> None:
+    """The Open-Llama-shaped directory, built by the test suite's stand-in as a command (nothing imported)."""
+    import subprocess
+
+    subprocess.run([sys.executable, str(ROOT / "tests" / "helpers" / "open_llama_like.py"), str(model)], check=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--records", type=int, default=51_760)
     parser.add_argument("--max-length", type=int, default=1024)
     parser.add_argument("--fast", action="store_true", help="the fast (Rust) tokenizer instead of the slow one")
     args = parser.parse_args()
-    sys.path.insert(0, str(ROOT / "tests" / "helpers"))
-    from open_llama_like import build
-
     from lowmem_tpu.config import DataSection, ModelSection
     from lowmem_tpu.console import quiet_python_warnings
     from lowmem_tpu.data import build_dataset
@@ -68,7 +73,7 @@ def main() -> None:
     data.write_text(json.dumps(synthetic(args.records)))
     model = OUT / "open_llama_like"
     if not (model / "tokenizer.model").exists():
-        build(model)
+        build_open_llama_like(model)
     tokenizer = load_tokenizer(ModelSection(name_or_path=str(model), use_fast_tokenizer=args.fast, pad_token="<unk>"))
     cfg = DataSection(path=str(data), format="alpaca", max_length=args.max_length)
     cache = OUT / "cache"
