@@ -130,4 +130,12 @@ class LoraSection(Section):
             return value
         if isinstance(value, str) and value.startswith("pissa_niter_") and value[12:].isdigit():
             return value
-        raise ValueError(f"{value!r}: choose true, false, gaussian, pissa, pissa_niter_N (N power iterations) or olora")
+        why = (
+            " (PEFT 0.21's LoftQ computes on CUDA or XPU only, peft/utils/loftq_utils.py's compute_device: "
+            "on a TPU VM, or a CPU, it stops with 'Found no NVIDIA driver')"
+            if value == "loftq"
+            else ""
+        )
+        raise ValueError(
+            f"{value!r}{why}: choose true, false, gaussian, pissa, pissa_niter_N (N power iterations) or olora"
+        )

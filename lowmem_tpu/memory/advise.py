@@ -216,7 +216,8 @@ def plan_rows(plan: Plan) -> list[tuple[str, int]]:
     st = plan.setting
     every = f"one layer in {st.checkpoint_every}" if st.checkpoint_every > 1 else "on"
     ckpt = every if st.checkpointing else "off"
-    base = f" ({st.quantize} base + {st.dtype} scales)" if plan.dequantized else ""
+    scales = ("8-bit maxima" if st.double_quant else "fp32 maxima") if st.quantize == "nf4" else f"{st.dtype} scales"
+    base = f" ({st.quantize} base + {scales})" if plan.dequantized else ""
     rows = [
         (f"weights{base}", plan.weights),
         ("gradients", plan.gradients),

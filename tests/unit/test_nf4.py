@@ -129,3 +129,8 @@ def test_nf4_weight_round_trips_through_a_state_dict():
     twin.load_state_dict(layer.state_dict())
     assert torch.equal(twin.dequantized(), layer.dequantized())
     assert torch.equal(twin.offset, layer.offset) and twin.scale.dtype == torch.uint8
+
+
+def test_loftq_is_refused_with_the_reason():
+    with pytest.raises(RecipeError, match=r"LoftQ computes on CUDA or XPU only"):
+        load_recipe(None, ["model.quantize=nf4", "lora.init_lora_weights=loftq"])
