@@ -13,10 +13,9 @@ from tiny_models import train_tiny
 from transformers import AutoModelForCausalLM
 
 QUICK = ["train.max_steps=12", "train.logging_steps=4", "train.eval_steps=null", "train.eval_samples=0"]
-VARIANTS = {
-    "rslora": ["lora.use_rslora=true"],
+VARIANTS = {  # rsLoRA (a scale) and LoRA+ (the optimizer's rates) change nothing else: one run holds both
+    "rslora+loraplus": ["lora.use_rslora=true", "lora.loraplus_lr_ratio=16"],
     "dora": ["lora.use_dora=true"],
-    "loraplus": ["lora.loraplus_lr_ratio=16"],
     "pissa": ["lora.init_lora_weights=pissa_niter_4"],
 }
 
@@ -50,12 +49,14 @@ def test_each_variant_trains_and_its_adapter_reproduces_the_trained_model(runs, 
     assert torch.allclose(saved, trained, atol=2e-4, rtol=1e-4), (saved - trained).abs().max()
     if name == "pissa":  # converted as PEFT converts: rank and alpha doubled, a plain LoRA init
         assert (config["r"], config["lora_alpha"], config["init_lora_weights"]) == (32, 64, True)
+    if name == "rslora+loraplus":
+        assert config["use_rslora"]
     if name == "dora":
         assert config["use_dora"] and any("lora_magnitude_vector" in k for k in run.trainer.names.adapter_keys)
 
 
 @pytest.mark.slow
 def test_loraplus_gives_b_its_own_learning_rate(runs):
-    _, run = runs["loraplus"]
+    _, run = runs["rslora+loraplus"]
     rates = sorted({group["initial_lr"] for group in run.trainer.optimizer.param_groups if group["params"]})
     assert len(rates) == 2 and rates[1] == pytest.approx(16 * rates[0])
