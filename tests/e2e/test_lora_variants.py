@@ -17,6 +17,7 @@ VARIANTS = {  # rsLoRA (a scale) and LoRA+ (the optimizer's rates) change nothin
     "rslora+loraplus": ["lora.use_rslora=true", "lora.loraplus_lr_ratio=16"],
     "dora": ["lora.use_dora=true"],
     "pissa": ["lora.init_lora_weights=pissa_niter_4"],
+    "modules_to_save": ["lora.modules_to_save=[lm_head]"],  # the head trained whole, saved with the adapter
 }
 
 
@@ -49,6 +50,8 @@ def test_each_variant_trains_and_its_adapter_reproduces_the_trained_model(runs, 
     assert torch.allclose(saved, trained, atol=2e-4, rtol=1e-4), (saved - trained).abs().max()
     if name == "pissa":  # converted as PEFT converts: rank and alpha doubled, a plain LoRA init
         assert (config["r"], config["lora_alpha"], config["init_lora_weights"]) == (32, 64, True)
+    if name == "modules_to_save":
+        assert any("lm_head" in k and "lora_" not in k for k in run.trainer.names.adapter_keys)
     if name == "rslora+loraplus":
         assert config["use_rslora"]
     if name == "dora":
