@@ -133,7 +133,7 @@ def compiler_table() -> str:
     records = json.loads(RECORD.read_text())
     rows = [
         "| recipe | target | needed of usable HBM | arguments / temporaries | planner's peak (error) "
-        "| cost estimate: step, MFU | compiled |",
+        "| step by libtpu's cost model, MFU | compiled |",
         "|---|---|---|---|---|---|---|",
     ]
     for name, device, _ in _targets():
@@ -143,9 +143,8 @@ def compiler_table() -> str:
             continue
         verdict = "fits" if record["fits"] else "**does not fit**"
         error = f" ({record['plan_error']:+.1%})" if record.get("plan_error") is not None else ""
-        bounds = record.get("cost_bounds") or {}
-        step, mfu = bounds.get("step_seconds_at_least"), bounds.get("mfu_at_most")
-        cost = f"{step:.2f} s, {mfu:.0%}" if bounds.get("reported") else ""
+        estimate = record.get("step_estimate") or {}
+        cost = f"{estimate['step_seconds']:.2f} s, {estimate['mfu']:.0%}" if estimate.get("reported") else ""
         rows.append(
             f"| `{name}.yaml` | {device} | {size(record['needed'])} of {size(record['capacity'])}: {verdict} "
             f"| {size(record['arguments'])} / {size(record['temporaries'])} "

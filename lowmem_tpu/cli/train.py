@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
 from lowmem_tpu.cli.common import OverridesArg, RecipeArg, app, load_args
 from lowmem_tpu.config import Recipe
 from lowmem_tpu.config.devices import DEVICES
+from lowmem_tpu.config.loading import default_recipe_path, shipped_recipes
 from lowmem_tpu.errors import NonFiniteError, UserError
 
 
@@ -122,9 +123,20 @@ def memory(
             "--compile",
             help="Compile the recipe's steady training step with the TPU compiler for --device (libtpu's "
             "compile-only client: no TPU needed, no weights made) and print its per-chip memory beside the "
-            "planner's peak.",
+            "planner's peak, and the step's time by libtpu's cost model.",
         ),
     ] = False,
+    fill: Annotated[
+        float | None,
+        typer.Option(
+            "--fill",
+            min=0.01,
+            max=1.0,
+            help="With --compile: the share of row positions that are real tokens, for useful tokens/s "
+            "(default: measured on the recipe's data when it and the tokenizer are at hand here).",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
     """Plan per-device memory of the recipe and its twin (LoRA <-> full); say what to turn on if it does not fit."""
     if compile_ and measure:
@@ -132,7 +144,7 @@ def memory(
             "--measure and --compile each compile the step (for the devices here, for --device): one at a time"
         )
     if compile_:
-        _compile(recipe, overrides, device, as_json)
+        _compile(recipe, overrides, device, as_json, fill)
         return
     from lowmem_tpu.memory.advise import format_report, plan_recipe, report_json
     from lowmem_tpu.model.loading import require_config
@@ -157,7 +169,9 @@ def memory(
         typer.echo("\n" + format_measurement(measured))
 
 
-def _compile(recipe: str | None, overrides: list[str] | None, device: str | None, as_json: bool) -> None:
+def _compile(
+    recipe: str | None, overrides: list[str] | None, device: str | None, as_json: bool, fill: float | None
+) -> None:
     """``memory --compile``: the TPU compiler's verdict on the recipe's step for one TPU."""
     from lowmem_tpu.measure.tpu_compile import cleanup_on_sigterm, compile_target, require_compiler
     from lowmem_tpu.measure.tpu_layers import compile_or_extrapolate
@@ -178,7 +192,8 @@ def _compile(recipe: str | None, overrides: list[str] | None, device: str | None
     typer.echo(f"tracing the step on {where}, then compiling it for {target.name}...", err=True)
     cleanup_on_sigterm()
     compiled = compile_or_extrapolate(loaded, target)
-    result, record, text = compile_beside_plan(loaded, target.name, compiled)
+    share, source = data_fill(loaded, fill)
+    result, record, text = compile_beside_plan(loaded, target.name, compiled, share, source)
     if as_json:
         import json
 
@@ -187,6 +202,78 @@ def _compile(recipe: str | None, overrides: list[str] | None, device: str | None
         typer.echo(text)
     if result.error:
         raise typer.Exit(1)
+
+
+@app.command()
+def tune(
+    recipe: RecipeArg = None,
+    overrides: OverridesArg = None,
+    target: Annotated[
+        str | None,
+        typer.Option(
+            "--target", help="The TPU to tune for (default: the recipe's runtime.target).", show_default=False
+        ),
+    ] = None,
+    budget: Annotated[
+        str, typer.Option("--budget", help="Stop compiling new candidates after this long, e.g. 30m, 1h.")
+    ] = "30m",
+    grow_batch: Annotated[
+        bool,
+        typer.Option("--grow-batch", help="Also try 2x and 4x the micro-batch per chip (the global batch grows)."),
+    ] = False,
+    out: Annotated[
+        Path | None,
+        typer.Option("--out", help="The tuned recipe (default: NAME_tuned.yaml here).", show_default=False),
+    ] = None,
+) -> None:
+    """Find the fastest settings that fit the target (micro-batch x checkpointing x attention x packing),
+    each compiled by the TPU compiler, and write them as a new recipe that extends this one."""
+    import json
+
+    from lowmem_tpu.config.rules import parse_duration
+    from lowmem_tpu.measure.tpu_compile import cleanup_on_sigterm, compile_target, require_compiler
+    from lowmem_tpu.preflight import preflight
+    from lowmem_tpu.tune import best, row, tune, tune_json, tuned_yaml
+
+    loaded = load_args(recipe, [*(overrides or []), "runtime.device=tpu"])
+    name = target or loaded.runtime.target
+    if name in (None, "cpu"):
+        raise UserError("tune compiles for a TPU: name one with --target (e.g. v5e-8, v5e-1)")
+    device = compile_target(name)
+    require_compiler()
+    preflight(loaded, scan="installed")
+    path = Path(recipe) if recipe else default_recipe_path()
+    if not path.exists():
+        path = shipped_recipes().get(path.stem, path)
+    destination = out or Path(f"{path.stem}_tuned.yaml")
+    cleanup_on_sigterm()
+
+    def progress(k: int, total: int, item: Any) -> None:
+        typer.echo(f"[{k}/{total}] {row(item)}", err=True)
+
+    typer.echo(f"tuning {path.name} for {device.name}: each candidate traced here and compiled by libtpu", err=True)
+    tried, fills, source = tune(loaded, device, parse_duration(budget), grow_batch, progress)
+    chosen, baseline = best(tried), tried[0]
+    if chosen is None:
+        typer.echo(f"nothing fits {device.name}: no candidate fits per the TPU compiler; nothing written")
+        raise typer.Exit(1)
+    report = tune_json(tried, fills, source, device)
+    destination.with_suffix(".json").write_text(json.dumps(report, indent=2, default=str))
+    destination.write_text(tuned_yaml(path, destination, loaded, device, chosen, baseline))
+    typer.echo(f"fastest that fits: {row(chosen)}")
+    typer.echo(f"the recipe as given: {row(baseline)}")
+    typer.echo(f"wrote {destination} (extends {path.name}) and {destination.with_suffix('.json')}")
+
+
+def data_fill(recipe: Recipe, given: float | None) -> tuple[float | None, str]:
+    """The rows' fill for useful tokens/s: ``--fill``, else measured on the recipe's data, else why not."""
+    if given is not None:
+        return given, "as stated (--fill)"
+    from lowmem_tpu.measure.tpu_report import recipe_fill
+
+    found = recipe_fill(recipe)
+    share = found.of(recipe.data.packing)
+    return share, f"measured on {found.samples} records of the recipe's data" if share is not None else found.why
 
 
 def _measure(recipe: Recipe) -> dict:

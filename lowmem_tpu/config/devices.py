@@ -27,6 +27,10 @@ class Generation:
     peak_flops: float  # dense bf16 FLOP/s per XLA device
     hbm_bandwidth: float  # HBM bytes/s per XLA device
     devices_per_chip: int = 1
+    # The TensorCore's clock: the TPU compiler's ``estimated_cycles`` over it are seconds. Read off the
+    # peak: MXUs x 128 x 128 multiply-adds x 2 x clock (v5e: 4 MXUs, 197e12 / 131072 = 1.5 GHz; v4 and
+    # v5p: 8 MXUs per chip). None where the MXU count is not settled (v6e's is given as 2 and as 4).
+    clock_hz: float | None = None
 
 
 def _g(gib: float) -> int:
@@ -40,9 +44,9 @@ GENERATIONS = {
     for g in (
         Generation("v2", "TPU v2", 8 * GiB, _g(7.48), 22.5e12, 350e9, devices_per_chip=2),
         Generation("v3", "TPU v3", 16 * GiB, _g(15.48), 61.5e12, 450e9, devices_per_chip=2),
-        Generation("v4", "TPU v4", 32 * GiB, _g(30.75), 275e12, 1228e9),
-        Generation("v5e", "TPU v5 lite", 16 * GiB, _g(15.75), 197e12, 819e9),
-        Generation("v5p", "TPU v5", 95 * GiB, 95 * GiB, 459e12, 2765e9),
+        Generation("v4", "TPU v4", 32 * GiB, _g(30.75), 275e12, 1228e9, clock_hz=1.05e9),
+        Generation("v5e", "TPU v5 lite", 16 * GiB, _g(15.75), 197e12, 819e9, clock_hz=1.5e9),
+        Generation("v5p", "TPU v5", 95 * GiB, 95 * GiB, 459e12, 2765e9, clock_hz=1.75e9),
         Generation("v6e", "TPU v6 lite", 32 * GiB, _g(31.25), 918e12, 1640e9),
     )
 }
@@ -72,6 +76,12 @@ class Device:
         """HBM bytes/s of one XLA device (None on the CPU backend)."""
         chip = GENERATIONS.get(self.generation)
         return chip.hbm_bandwidth if chip else None
+
+    @property
+    def clock_hz(self) -> float | None:
+        """The TensorCore clock (None on the CPU backend and where it is not known)."""
+        chip = GENERATIONS.get(self.generation)
+        return chip.clock_hz if chip else None
 
     @property
     def hosts(self) -> int:

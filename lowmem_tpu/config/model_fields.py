@@ -98,6 +98,12 @@ class LoraSection(Section):
         default_factory=lambda: list(LORA_TARGETS),
         description="Module names that get adapters, or all-linear.",
     )
+    dtype: Literal["model", "float32"] = Field(
+        "model",
+        description="The adapters' dtype: model = the base's (bf16 on a TPU: the adapter branch computes in "
+        "bf16, with fp32 master copies of the adapters in the optimizer, train.master_weights), float32 = "
+        "PEFT's default (fp32 adapters: every adapted projection's input and output cast to fp32 and back).",
+    )
     use_rslora: bool = Field(False, description="Rank-stabilized LoRA (PEFT's use_rslora): scale = alpha / sqrt(r).")
     use_dora: bool = Field(
         False,

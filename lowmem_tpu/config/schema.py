@@ -223,7 +223,8 @@ class TrainSection(Section):
     master_weights: bool | None = Field(
         None,
         description="fp32 copies of bf16 trainable weights for the optimizer (+4 bytes/param, sharded): "
-        "updates below half a bf16 ULP would round to nothing (default: on for bf16 full fine-tuning).",
+        "updates below half a bf16 ULP would round to nothing (default: on when the trained weights are bf16: "
+        "full fine-tuning of a bf16 model, or bf16 adapters, lora.dtype: model).",
     )
     on_nonfinite: Literal["stop", "skip"] = Field(
         "stop",
@@ -254,10 +255,11 @@ class TrainSection(Section):
 
 
 def uses_master_weights(recipe: Recipe) -> bool:
-    """Whether the optimizer keeps fp32 master weights: ``train.master_weights``, else bf16 full fine-tuning."""
+    """Whether the optimizer keeps fp32 master weights: ``train.master_weights``, else whenever the trained
+    weights are bf16 (full fine-tuning of a bf16 model, or adapters in the base's bf16: ``lora.dtype: model``)."""
     if recipe.train.master_weights is not None:
         return recipe.train.master_weights
-    return not recipe.lora.enabled and recipe.model.dtype == "bfloat16"
+    return recipe.model.dtype == "bfloat16" and (not recipe.lora.enabled or recipe.lora.dtype == "model")
 
 
 class HubSection(Section):

@@ -17,7 +17,7 @@ and are undone here:
   does not exist): each unannotated argument gets the sharding ``place_parameters`` gives a weight
   of that shape, and the count of such arguments must equal the placeholders traced.
 
-    python -m lowmem_tpu.measure.libtpu REQUEST.json RESULT.json
+    python -m lowmem_tpu.measure.libtpu REQUEST.json RESULT.json   (and RESULT.hlo.txt: the optimized program)
     python -m lowmem_tpu.measure.libtpu --probe RESULT.json    (one tiny compile for v5e:1x1: doctor)
 """
 
@@ -195,6 +195,9 @@ def compile_module(request: dict[str, Any]) -> dict[str, Any]:
         if hasattr(stats, key)
     }
     record["cost"] = _cost(executable)
+    # The optimized program with the backend configs codegen filled in (each fusion's estimated_cycles):
+    # what measure.hlo_cost sums. Written beside the result by main, not into it.
+    record["program"] = executable.hlo_modules()[0].to_string()
     return record
 
 
@@ -246,6 +249,9 @@ def main(request_path: str, result_path: str) -> None:
     # libtpu multi-process lockfile", measured with two compiles at once).
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     record = probe() if request_path == "--probe" else compile_module(json.loads(Path(request_path).read_text()))
+    program = record.pop("program", None)
+    if program is not None:
+        Path(result_path).with_suffix(".hlo.txt").write_text(program)
     Path(result_path).write_text(json.dumps(record))
 
 

@@ -70,6 +70,9 @@ class TpuCompile:
     # (a loop body's counted once; extrapolated records keep the larger compile's): a quantized base gathers
     # its packed u8 weights, never bf16/f32 ones.
     gathered: dict[str, int] = field(default_factory=dict)
+    # The step's cost summed over the optimized program with loop trip counts (measure.hlo_cost):
+    # cycles, flops, hbm_bytes, flops_once (loop bodies once, as cost_analysis), loops, kernels.
+    step: dict[str, Any] = field(default_factory=dict)
     refused: OutOfMemory | None = None
     error: str | None = None
     extrapolated_from: tuple[int, ...] = ()  # layer counts compiled, when the whole step was too big to compile here
@@ -210,7 +213,17 @@ def compile_traced(traced: TracedStep, device: Device, work: Path, timeout: floa
         cost=compiled.get("cost", {}),
         compiler_stats=stats,
         gathered=all_gather_bytes(optimized_hlo(buffer_assignment(tpu_dir)).read_text()),
+        step=program_cost(work / "tpu.hlo.txt"),
     )
+
+
+def program_cost(program: Path) -> dict[str, Any]:
+    """The optimized program's cost with trip counts (empty when the compiler wrote no program)."""
+    from dataclasses import asdict
+
+    from lowmem_tpu.measure.hlo_cost import step_cost
+
+    return asdict(step_cost(program.read_text())) if program.exists() else {}
 
 
 def compile_recipe(recipe: Recipe, device: Device, timeout: float = 3600, keep: Path | None = None) -> TpuCompile:

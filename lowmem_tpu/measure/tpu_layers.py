@@ -80,13 +80,31 @@ def extrapolate(points: dict[int, TpuCompile], layers: int) -> TpuCompile:
         return type(y)(round(x + (y - x) * share, 2) if isinstance(y, float) else round(x + (y - x) * share))
 
     cost = {k: a.cost[k] + (v - a.cost[k]) * share for k, v in b.cost.items() if k in a.cost}
+    step = extrapolate_step(a.step, b.step, share)
     linear = {f.name: at(f.name) for f in fields(TpuCompile) if f.name in (*LINEAR, *LINEAR_RUN)}
     spent = {  # what this command took: both compiles
         "trace_seconds": a.trace_seconds + b.trace_seconds,
         "compile_seconds": a.compile_seconds + b.compile_seconds,
         "host_peak_rss_bytes": max(a.host_peak_rss_bytes, b.host_peak_rss_bytes),
     }
-    return replace(b, **linear, **spent, cost=cost, extrapolated_from=(low, high))
+    return replace(b, **linear, **spent, cost=cost, step=step, extrapolated_from=(low, high))
+
+
+def extrapolate_step(a: dict[str, Any], b: dict[str, Any], share: float) -> dict[str, Any]:
+    """The step's cost (``TpuCompile.step``) on the line: its sums and each kernel's runs per step."""
+    if not a or not b:
+        return {}
+    out = {k: type(v)(round(a[k] + (v - a[k]) * share)) for k, v in b.items() if isinstance(v, int | float)}
+    runs = {_kernel_key(k): k["runs"] for k in a.get("kernels", [])}
+    out["kernels"] = [
+        k | {"runs": round(runs.get(_kernel_key(k), 0) + (k["runs"] - runs.get(_kernel_key(k), 0)) * share)}
+        for k in b.get("kernels", [])
+    ]
+    return out
+
+
+def _kernel_key(kernel: dict[str, Any]) -> str:
+    return json.dumps([kernel["name"], kernel["shapes"], kernel["hbm_bytes"]])
 
 
 def compile_points(recipe: Recipe, device: Device, work: Path, timeout: float = 3600) -> dict[int, TpuCompile]:

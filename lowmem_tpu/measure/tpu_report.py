@@ -1,4 +1,4 @@
-"""What ``memory --compile`` reports: the TPU compiler's cost of the step as bounds, the JSON, the text,
+"""What ``memory --compile`` reports: the step estimated by the TPU compiler's cost model, the JSON, the text,
 and the planner's figures beside the compiler's (:func:`compile_beside_plan`)."""
 
 from __future__ import annotations
@@ -9,41 +9,85 @@ from typing import Any
 from lowmem_tpu.config import Recipe
 from lowmem_tpu.config.devices import DEVICES
 from lowmem_tpu.console import size
+from lowmem_tpu.data.fill import Fill
 from lowmem_tpu.measure.tpu_compile import TpuCompile, compile_recipe, compile_target
 
 # ----------------------------------------------------------------------------- the step's cost
 
+# [length, length] matmuls per run of torch_xla's Pallas FlashAttention kernels (jax's
+# ops/tpu/flash_attention.py) that declare no cost: dq runs q.k, do.v, ds.k; dkv q.k, p.do, do.v, ds.q.
+# The forward kernel declares its own (q.k and p.v: 4 x batch x heads x length^2 x head).
+FLASH_MATMULS = {"_flash_attention_dkv_kernel": 4, "_flash_attention_dq_kernel": 3}
 
-def cost_bounds(result: TpuCompile, model_flops_per_chip: float | None, scanned: bool = False) -> dict[str, Any]:
-    """The compiler's cost of one step, as bounds for the target: time >= max(flops / peak, bytes / bandwidth).
 
-    ``model_flops_per_chip``: the model's FLOPs for one step on one chip (6N per token plus attention,
-    recomputation not counted), for an upper bound on MFU. Both are the compiler's estimate for the
-    program it compiled, not a measurement. ``scanned``: the layers run as one loop, whose body XLA's
-    cost analysis counts once (the 3B LoRA step scanned: 3.7 TFLOP per chip against 65 unrolled), so
-    no bound is drawn from it.
-    """
-    if scanned:
-        why = "the compiler's cost counts the scanned layer once (sharding.scan_layers): no bound from it"
-        return {"reported": False, "why": why}
+def kernel_seconds(kernel: dict[str, Any], device: Any) -> tuple[float, str]:
+    """One Pallas kernel's time per step from its shapes: its flops at the MXU's peak or its HBM bytes at
+    HBM bandwidth, whichever is larger (a kernel carries no cycle estimate), and which one it was."""
+    flops = kernel.get("flops")
+    shapes = [s for s in kernel["shapes"] if len(s) == 4]
+    if flops is None and kernel["name"] in FLASH_MATMULS and shapes:
+        batch, heads, length, head = shapes[0]
+        flops = FLASH_MATMULS[kernel["name"]] * 2.0 * batch * heads * length * length * head
+    compute, memory = (flops or 0) / device.peak_flops, kernel["hbm_bytes"] / device.hbm_bandwidth
+    how = "flops at the MXU's peak" if compute > memory else "HBM bytes at HBM bandwidth"
+    return max(compute, memory) * kernel["runs"], how
+
+
+def step_estimate(
+    result: TpuCompile,
+    model_flops_per_chip: float | None,
+    positions_per_chip: int,
+    fill: float | None,
+    fill_source: str = "",
+) -> dict[str, Any]:
+    """The step on one chip by the TPU compiler's own cost model: its ``estimated_cycles`` summed over the
+    optimized program with loop trip counts (measure.hlo_cost) at the chip's clock, plus each Pallas
+    kernel from its shapes. From it: MFU (the model's flops, recomputation not counted) and tokens/s/chip
+    (``positions_per_chip``, a row's every position; useful ones at ``fill``, the share that is not padding)."""
     device = DEVICES[result.device]
-    flops, accessed = result.cost.get("flops"), result.cost.get("bytes accessed")
-    if not flops or not device.peak_flops or not device.hbm_bandwidth:
-        return {"reported": False, "why": "the compile-only client reported no flops for this program"}
-    compute, memory = flops / device.peak_flops, (accessed or 0) / device.hbm_bandwidth
-    bound = max(compute, memory)
+    step = result.step
+    if not step:
+        return {"reported": False, "why": "no optimized program in this record (compile it again)"}
+    if not device.clock_hz:
+        return {"reported": False, "why": f"the {device.generation} TensorCore clock is not known here"}
+    compiled = step["cycles"] / device.clock_hz
+    kernels = [kernel_seconds(k, device) for k in step.get("kernels", [])]
+    seconds = compiled + sum(t for t, _ in kernels)
     out: dict[str, Any] = {
         "reported": True,
-        "flops_per_chip": flops,
-        "bytes_accessed_per_chip": accessed,
-        "compute_seconds": compute,
-        "memory_seconds": memory,
-        "step_seconds_at_least": bound,
-        "bound_by": "compute" if compute >= memory else "HBM bandwidth",
+        "step_seconds": seconds,
+        "compiled_seconds": compiled,
+        "kernel_seconds": seconds - compiled,
+        "kernels_costed_by": sorted({how for _, how in kernels}),
+        "flops_per_chip": step["flops"],
+        "hbm_bytes_per_chip": step["hbm_bytes"],
+        "hbm_seconds": step["hbm_bytes"] / device.hbm_bandwidth,
+        "positions_per_chip": positions_per_chip,
+        "tokens_per_second_per_chip": positions_per_chip / seconds,
+        "fill": fill,
+        "fill_source": fill_source,
     }
+    if fill is not None:
+        out["useful_tokens_per_second_per_chip"] = fill * positions_per_chip / seconds
     if model_flops_per_chip:
-        out["mfu_at_most"] = model_flops_per_chip / bound / device.peak_flops
+        out["model_flops_per_chip"] = model_flops_per_chip
+        out["mfu"] = model_flops_per_chip / seconds / device.peak_flops
+    if step.get("loops_unresolved"):
+        out["loops_counted_once"] = step["loops_unresolved"]
     return out
+
+
+def recipe_fill(recipe: Recipe) -> Fill:
+    """The fill of the recipe's data, padded and packed, when the data and tokenizer are at hand here
+    (a Hub dataset without a network is not: the Fill says why)."""
+    from lowmem_tpu.data.fill import measure_fill
+    from lowmem_tpu.model.tokenizer import load_tokenizer
+
+    try:
+        return measure_fill(recipe.data, load_tokenizer(recipe.model))
+    except Exception as err:  # a Hub dataset or tokenizer offline, a file that is not there: no figure
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        return Fill(None, None, why=f"the data or tokenizer is not at hand here ({first[:160]})")
 
 
 # ----------------------------------------------------------------------------- output
@@ -51,7 +95,7 @@ def cost_bounds(result: TpuCompile, model_flops_per_chip: float | None, scanned:
 
 def compile_json(result: TpuCompile, planned_peak: int | None, cost: dict[str, Any]) -> dict[str, Any]:
     """``--json``: every figure in bytes, the verdict, and the plan's error against the compiler."""
-    out = asdict(result) | {"needed": result.needed, "fits": result.fits, "cost_bounds": cost}
+    out = asdict(result) | {"needed": result.needed, "fits": result.fits, "step_estimate": cost}
     out["source"] = "the TPU compiler (libtpu compile-only) on the step traced on the CPU backend: not a run"
     if result.extrapolated_from:
         low, high = result.extrapolated_from
@@ -111,10 +155,7 @@ def format_compile(result: TpuCompile, planned_peak: int | None, cost: dict[str,
         error = (planned_peak - result.needed) / result.needed if result.needed else 0.0
         lines.append(f"  the planner's peak: {g(planned_peak)} ({error:+.0%} against the compiler)")
     if cost.get("reported"):
-        line = f"  step at least {cost['step_seconds_at_least'] * 1e3:.1f} ms ({cost['bound_by']})"
-        if "mfu_at_most" in cost:
-            line += f", MFU at most {cost['mfu_at_most']:.0%}"
-        lines.append(line + ": the compiler's cost estimate, not a measurement")
+        lines += estimate_lines(cost)
     elif cost.get("why") and result.refused is None:
         lines.append(f"  step time: {cost['why']}")
     lines.append(
@@ -127,15 +168,45 @@ def format_compile(result: TpuCompile, planned_peak: int | None, cost: dict[str,
     return "\n".join(lines)
 
 
+def estimate_lines(cost: dict[str, Any]) -> list[str]:
+    """The step estimate as the report prints it."""
+    step = f"  step {cost['step_seconds'] * 1e3:.0f} ms by libtpu's cost model"
+    if cost["kernel_seconds"]:
+        step += (
+            f" ({cost['kernel_seconds'] * 1e3:.0f} ms of it Pallas kernels, by {', '.join(cost['kernels_costed_by'])})"
+        )
+    lines = [step]
+    figures = [f"{cost['flops_per_chip'] / 1e12:.1f} TFLOP", f"HBM {cost['hbm_bytes_per_chip'] / 1e9:.0f} GB"]
+    if "mfu" in cost:
+        figures.append(f"MFU {cost['mfu']:.0%}")
+    tokens = f"{cost['tokens_per_second_per_chip']:,.0f} tokens/s/chip"
+    if "useful_tokens_per_second_per_chip" in cost:
+        tokens += f" ({cost['useful_tokens_per_second_per_chip']:,.0f} useful at fill {cost['fill']:.0%}"
+        tokens += f", {cost['fill_source']})" if cost.get("fill_source") else ")"
+    else:
+        why = f"{cost['fill_source']}: " if cost.get("fill_source") else ""
+        tokens += f" (every position, padding included; {why}--fill R for useful tokens)"
+    lines.append(f"  per chip per step: {', '.join(figures)}; {tokens}")
+    if cost.get("loops_counted_once"):
+        lines.append(f"  {cost['loops_counted_once']} loops without a readable trip count, counted once")
+    return lines
+
+
 # ----------------------------------------------------------------------------- beside the plan
 
 
 def compile_beside_plan(
-    recipe: Recipe, device_name: str, result: TpuCompile | None = None
+    recipe: Recipe,
+    device_name: str,
+    result: TpuCompile | None = None,
+    fill: float | None = None,
+    fill_source: str = "",
 ) -> tuple[TpuCompile, dict[str, Any], str]:
     """``memory --compile``: the compiler's figures, their JSON (the plan and cost beside them), the report.
 
     ``result``: figures compiled already (the recipes script), else the step is traced and compiled now.
+    ``fill``: the share of row positions that are real tokens (useful tokens/s), when known; ``fill_source``
+    says where it comes from (or why it is not known).
     """
     from dataclasses import replace
 
@@ -150,11 +221,12 @@ def compile_beside_plan(
     report = plan_recipe(recipe, device.name, config)  # also refuses a batch the chips do not split
     result = result or compile_recipe(recipe, device)
     plan = report.plan
-    tokens = recipe.train.global_batch_size * recipe.data.max_length
+    rows = recipe.train.global_batch_size // recipe.train.gradient_accumulation_steps  # one program's micro-batch
+    positions = rows * recipe.data.max_length // device.devices
     per_token = flops_per_token(
         config, plan.total_parameters, plan.trainable_parameters, recipe.data.max_length, recipe.lora.enabled
     )
-    cost = cost_bounds(result, per_token * tokens / device.devices, recipe.sharding.scan_layers)
+    cost = step_estimate(result, per_token * positions, positions, fill, fill_source)
     advice = None
     if not result.fits and result.error is None and result.needed:
         # The planner, told the compiler's verdict: its capacity scaled by how far apart they are.

@@ -78,7 +78,7 @@ def quantized_weight(out: int, inp: int, st: Setting) -> list[Tensor]:
 
 
 def parameters(s: Shape, st: Setting) -> list[Tensor]:
-    """Every parameter of the model as ``lowmem-tpu sft`` builds it (LoRA adapters in fp32, as PEFT keeps them)."""
+    """Every parameter of the model as ``lowmem-tpu sft`` builds it (LoRA adapters in ``lora.dtype``)."""
     size, full = DTYPE_BYTES[st.dtype], not st.lora
     base = quantized(st)
     out = [Tensor((s.vocab, s.hidden), size, full), Tensor((s.hidden,), size, full)]
@@ -90,7 +90,8 @@ def parameters(s: Shape, st: Setting) -> list[Tensor]:
         weight = quantized_weight(o, i, st) if base else [Tensor((o, i), size, full)]
         layer = weight + ([Tensor((o,), size, full)] if bias else [])
         if st.lora and name in st.targets:
-            layer += [Tensor((st.rank, i), 4, True), Tensor((o, st.rank), 4, True)]
+            adapter = DTYPE_BYTES[st.adapter_dtype]
+            layer += [Tensor((st.rank, i), adapter, True), Tensor((o, st.rank), adapter, True)]
         out += layer * s.layers
     out += [Tensor((s.hidden,), size, full)] * (2 * s.layers)
     return out

@@ -96,6 +96,7 @@ class Setting:
     double_quant: bool = False  # nf4: block maxima in 8 bits (+ an fp32 scale per 256 of them)
     quantize_lm_head: bool = False
     master_weights: bool = False  # fp32 copies of the low-precision trainable weights (train.master_weights)
+    adapter_dtype: str = "float32"  # lora.dtype: the adapters in the base's dtype ("model") or fp32
     attention: str = "eager"  # model.attn_implementation: eager/sdpa keep [length, length] scores, chunked/flash not
     checkpoint_every: int = 1  # with checkpointing: one decoder layer in this many is recomputed
     chunked_loss: bool = False  # train.chunked_loss: the loss over blocks of positions, no whole logits
@@ -147,6 +148,7 @@ def setting_of(recipe: Recipe, devices: int) -> Setting:
         double_quant=recipe.model.quantize == "nf4" and recipe.model.quantize_double is not False,
         quantize_lm_head=getattr(recipe.model, "quantize_lm_head", False),
         master_weights=uses_master_weights(recipe),
+        adapter_dtype=recipe.model.dtype if lora.dtype == "model" else "float32",
         attention=getattr(recipe.model, "attn_implementation", "eager"),
     )
     problem = batch_split_problem(t.global_batch_size, t.gradient_accumulation_steps, devices)

@@ -37,10 +37,12 @@ def apply_lora(model: Any, recipe: Recipe, weightless: bool = False) -> Any:
         task_type="CAUSAL_LM",
     )
     try:
-        peft = get_peft_model(model, config)
+        peft = get_peft_model(model, config, autocast_adapter_dtype=lora.dtype == "float32")
     except ValueError as err:
         fields = "lora.modules_to_save" if lora.modules_to_save and "modules_to_save" in str(err) else "lora"
         raise UserError(f"{fields}: {err}") from None
+    if lora.dtype == "model":
+        in_base_dtype(peft, model_dtype(recipe))
     if _reads_the_base(lora.init_lora_weights) and not weightless:
         # The base now holds the residual of the adapters' initial directions: the saved adapter is
         # converted to apply to the original base (publish.export.for_the_original_base).
@@ -49,6 +51,20 @@ def apply_lora(model: Any, recipe: Recipe, weightless: bool = False) -> Any:
         state = get_peft_model_state_dict(peft)
         peft.initial_adapter = {k: v.detach().cpu().clone() for k, v in state.items() if ".lora_" in k}
     return peft
+
+
+def in_base_dtype(peft: Any, dtype: Any) -> None:
+    """Every adapter weight in the base's dtype (``lora.dtype: model``): PEFT leaves a quantized base's
+    adapters fp32, so they are cast here whatever the base's weights are stored as."""
+    for name, param in peft.named_parameters():
+        if ".lora_" in name and param.dtype != dtype:
+            param.data = param.data.to(dtype)
+
+
+def model_dtype(recipe: Recipe) -> Any:
+    import torch
+
+    return getattr(torch, recipe.model.dtype)
 
 
 def _reads_the_base(init: bool | str) -> bool:

@@ -265,7 +265,7 @@ def test_unknown_key_in_the_wrong_section_points_to_the_right_one(key, suggestio
         ("train.optimizer=sgd", "train.optimizer: Input should be 'adamw' or 'adafactor' (got 'sgd')"),
         (
             "lora=true",
-            "lora: must be a mapping of lora keys (enabled, r, alpha, dropout, target_modules, use_rslora, "
+            "lora: must be a mapping of lora keys (enabled, r, alpha, dropout, target_modules, dtype, use_rslora, "
             "use_dora, init_lora_weights, loraplus_lr_ratio, modules_to_save) (got True)",
         ),
         ("data.columns=5", "data.columns: must be a mapping (got 5); the format's fields read from other columns"),

@@ -20,7 +20,7 @@ from lowmem_tpu.measure import tpu_compile
 from lowmem_tpu.measure.buffers import out_of_memory
 from lowmem_tpu.measure.libtpu import buffer_donors, fsdp_sharding
 from lowmem_tpu.measure.tpu_compile import TpuCompile, compile_target
-from lowmem_tpu.measure.tpu_report import cost_bounds, format_compile
+from lowmem_tpu.measure.tpu_report import format_compile, step_estimate
 
 TINY = "recipes/tiny_lora_cpu.yaml"
 pytestmark = needs_compiler
@@ -83,16 +83,30 @@ def test_a_step_too_big_to_compile_here_is_the_line_through_2_and_4_layers(tmp_p
     assert json.loads((tmp_path / "layers-2" / "config.json").read_text())["hidden_size"] == 4096
 
     base = TpuCompile("v5e-1", "v5e:1x1", 1, 1000, "0.0.21", "TPU v5 lite", 1.0, 2.0, 50, 30, 28)
-    a = replace(base, arguments=20, outputs=10, aliased=8, temporaries=30, cost={"flops": 2.0})
-    b = replace(base, arguments=36, outputs=18, aliased=14, temporaries=40, cost={"flops": 4.0}, host_peak_rss_bytes=90)
+    kernel = {"name": "_flash_attention_dq_kernel", "hbm_bytes": 10, "flops": None, "shapes": [[1, 2, 128, 128]]}
+    step_a = {"cycles": 3_000_000, "flops": 2e9, "hbm_bytes": 1e6, "kernels": [kernel | {"runs": 2}]}
+    step_b = {"cycles": 5_000_000, "flops": 4e9, "hbm_bytes": 2e6, "kernels": [kernel | {"runs": 4}]}
+    a = replace(base, arguments=20, outputs=10, aliased=8, temporaries=30, cost={"flops": 2.0}, step=step_a)
+    b = replace(
+        base, arguments=36, outputs=18, aliased=14, temporaries=40, cost={"flops": 4.0}, host_peak_rss_bytes=90
+    )
+    b = replace(b, step=step_b)
     whole = extrapolate({4: b, 2: a}, 32)  # per layer: 8 + 4 - 3 + 5 = 14 needed, from 52 at 2 layers
     assert whole.needed == a.needed + 30 * 14 == 472 and whole.fits and whole.extrapolated_from == (2, 4)
     assert whole.arguments == 260 and whole.cost["flops"] == 32.0
     assert whole.compile_seconds == 4.0 and whole.host_peak_rss_bytes == 90  # what was spent here, not a guess
     assert "extrapolated: the whole step was too big to compile" in format_compile(whole, 480, {}, None)
-    assert cost_bounds(whole, 1.0)["reported"]
-    scanned = cost_bounds(whole, 1.0, scanned=True)  # a loop's body counted once: no bound drawn
-    assert not scanned["reported"] and "counts the scanned layer once" in format_compile(whole, 480, scanned, None)
+    # The step's sums and each kernel's runs are on the line too: 1 M cycles and 2 runs per layer.
+    assert whole.step["cycles"] == 3_000_000 + 30 * 1_000_000 and whole.step["kernels"][0]["runs"] == 32
+    estimate = step_estimate(whole, 1e12, 4096, 0.5)
+    kernel_time = 32 * 3 * 2.0 * 2 * 128 * 128 * 128 / 197e12  # dq's three matmuls at the MXU's peak
+    assert estimate["step_seconds"] == pytest.approx(33e6 / 1.5e9 + kernel_time)
+    assert estimate["mfu"] == pytest.approx(1e12 / estimate["step_seconds"] / 197e12)
+    assert estimate["useful_tokens_per_second_per_chip"] == pytest.approx(2048 / estimate["step_seconds"])
+    text = format_compile(whole, 480, estimate, None)
+    assert "by libtpu's cost model" in text and "Pallas kernels, by flops at the MXU's peak" in text
+    unknown = step_estimate(replace(whole, step={}), 1e12, 4096, None)
+    assert not unknown["reported"] and "compile it again" in format_compile(whole, 480, unknown, None)
     refused = replace(b, refused=out_of_memory("Ran out of memory in memory space hbm. Used 20.00G of 15.75G hbm."))
     assert not extrapolate({2: a, 4: refused}, 32).fits  # too big at 4 layers: too big at 32
 

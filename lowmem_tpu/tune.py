@@ -1,0 +1,233 @@
+"""``lowmem-tpu tune RECIPE``: the fastest settings that fit the target, by the TPU compiler.
+
+It searches the micro-batch per chip x activation checkpointing (every layer, every_2, every_4,
+none) x attention (the recipe's, and flash where the target and length allow it) x packing (where
+the data is at hand and packing fills rows fuller). The planner drops what is far from fitting; each
+survivor is compiled by libtpu for the target (at 2 and 4 layers, extrapolated, for a model of more
+than 4 layers) and ranked by useful tokens/s/chip under libtpu's cost model
+(``measure.tpu_report.step_estimate``). The recipe as given is compiled first, as the baseline. The
+fastest candidate that fits is written as a new recipe that ``extends`` the original and names only
+what changed, its header saying why; the original is untouched.
+
+The global batch is the recipe's (the optimizer sees the same batches): a smaller micro-batch per chip
+takes gradient accumulation; ``grow_batch`` also tries micro-batches up to 4x the recipe's, the
+global batch growing with them.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lowmem_tpu.config import Recipe, RecipeError, with_overrides
+from lowmem_tpu.config.checks import flash_tiles
+from lowmem_tpu.config.devices import Device
+
+CHECKPOINTING: tuple[bool | str, ...] = (False, "every_4", "every_2", True)
+PLANNER_MARGIN = 1.25  # the planner is within -8%..+24% of the compiler on the shipped recipes: keep what it puts near
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One setting tried: rows per chip per micro-batch, checkpointing, attention, packing."""
+
+    rows: int
+    accumulation: int
+    checkpointing: bool | str
+    attention: str
+    packing: bool
+
+    def overrides(self, devices: int) -> list[str]:
+        return [
+            f"train.global_batch_size={self.rows * devices * self.accumulation}",
+            f"train.gradient_accumulation_steps={self.accumulation}",
+            f"sharding.activation_checkpointing={str(self.checkpointing).lower()}",
+            f"model.attn_implementation={self.attention}",
+            f"data.packing={str(self.packing).lower()}",
+        ]
+
+    def describe(self) -> str:
+        ckpt = {True: "every layer", False: "none"}.get(self.checkpointing, self.checkpointing)  # type: ignore[arg-type]
+        accumulation = f" x {self.accumulation} accumulated" if self.accumulation > 1 else ""
+        packed = "packed" if self.packing else "padded"
+        return f"{self.rows} rows/chip{accumulation}, checkpointing {ckpt}, {self.attention}, {packed}"
+
+
+@dataclass
+class Tried:
+    """A candidate and what became of it: skipped by the planner, compiled (fits or not), or failed."""
+
+    candidate: Candidate
+    planned: int | None = None
+    verdict: str = "not compiled"
+    needed: int | None = None
+    fits: bool = False
+    estimate: dict[str, Any] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    @property
+    def speed(self) -> float:
+        """Useful tokens/s/chip (every position's when the fill is not known): what the search ranks by."""
+        e = self.estimate
+        return e.get("useful_tokens_per_second_per_chip") or e.get("tokens_per_second_per_chip") or 0.0
+
+
+def candidates(recipe: Recipe, device: Device, fills: dict[bool, float | None], grow_batch: bool) -> list[Candidate]:
+    """Every setting to try, the recipe's own first, then the least recomputation and most rows first."""
+    train, chips = recipe.train, device.devices
+    rows_now = train.global_batch_size // train.gradient_accumulation_steps // chips
+    per_step = train.global_batch_size // chips  # rows per chip per optimizer step
+    sizes = {r: per_step // r for r in range(1, per_step + 1) if per_step % r == 0}
+    if grow_batch:
+        sizes |= {rows_now * k: 1 for k in (2, 4)}
+    attentions = [recipe.model.attn_implementation]
+    if device.generation != "cpu" and "flash" not in attentions and flash_tiles(recipe.data.max_length):
+        attentions.append("flash")
+    packings = [recipe.data.packing]
+    if fills.get(True) and fills.get(False) and fills[True] > fills[False] and not recipe.data.packing:
+        packings.append(True)
+    own = Candidate(
+        rows_now,
+        train.gradient_accumulation_steps,
+        recipe.sharding.activation_checkpointing,
+        recipe.model.attn_implementation,
+        recipe.data.packing,
+    )
+    grid = [
+        Candidate(rows, accumulation, ckpt, attention, packing)
+        for ckpt in CHECKPOINTING
+        for attention in reversed(attentions)
+        for packing in reversed(packings)
+        for rows, accumulation in sorted(sizes.items(), reverse=True)
+    ]
+    return [own, *[c for c in grid if c != own]]
+
+
+def tune(
+    recipe: Recipe,
+    device: Device,
+    budget_seconds: float,
+    grow_batch: bool = False,
+    report: Callable[[int, int, Tried], None] | None = None,
+) -> tuple[list[Tried], dict[bool, float | None], str]:
+    """Try the candidates within ``budget_seconds``; returns what was tried, the fills and their source."""
+    from lowmem_tpu.measure.tpu_report import recipe_fill
+
+    found = recipe_fill(recipe)
+    fills = {False: found.padded, True: found.packed}
+    source = f"measured on {found.samples} records of the recipe's data" if found.padded else found.why
+    started = time.monotonic()
+    tried: list[Tried] = []
+    grid = candidates(recipe, device, fills, grow_batch)
+    for k, candidate in enumerate(grid):
+        item = Tried(candidate)
+        tried.append(item)
+        if k and time.monotonic() - started > budget_seconds:
+            item.verdict = "not compiled (time budget spent)"
+        else:
+            _try(recipe, device, item, fills.get(candidate.packing), source)
+        if report:
+            report(k + 1, len(grid), item)
+    return tried, fills, source
+
+
+def _try(recipe: Recipe, device: Device, item: Tried, fill: float | None, source: str) -> None:
+    from lowmem_tpu.errors import UserError
+    from lowmem_tpu.measure.tpu_compile import compile_recipe
+    from lowmem_tpu.measure.tpu_layers import LAYERS, compile_by_layers, layers_of
+    from lowmem_tpu.measure.tpu_report import compile_beside_plan
+    from lowmem_tpu.memory.advise import plan_recipe
+    from lowmem_tpu.model.loading import require_config
+
+    started = time.monotonic()
+    try:
+        trial = with_overrides(recipe, item.candidate.overrides(device.devices))
+        plan = plan_recipe(trial, device.name, require_config(trial)).plan
+    except (RecipeError, UserError) as err:
+        item.verdict = f"not valid: {str(err).splitlines()[0][:120]}"
+        return
+    item.planned = plan.peak
+    if plan.peak > plan.capacity * PLANNER_MARGIN:
+        item.verdict = "skipped: the planner puts it far over"
+        return
+    try:
+        if layers_of(trial) > LAYERS[-1]:
+            import tempfile
+
+            with tempfile.TemporaryDirectory(prefix="lowmem-tpu-tune-") as tmp:
+                result = compile_by_layers(trial, device, Path(tmp))
+        else:
+            result = compile_recipe(trial, device)
+    except UserError as err:
+        item.verdict = f"failed: {str(err).splitlines()[0][:120]}"
+        return
+    _, record, _ = compile_beside_plan(trial, device.name, result, fill, source)
+    item.seconds = time.monotonic() - started
+    item.needed, item.fits = result.needed, result.fits
+    item.estimate = record.get("step_estimate", {})
+    item.verdict = "fits" if result.fits else ("refused" if result.error else "does not fit")
+
+
+def best(tried: list[Tried]) -> Tried | None:
+    """The fastest candidate that fits, by useful tokens/s/chip (None when nothing fits)."""
+    fitting = [t for t in tried if t.fits and t.estimate.get("reported")]
+    return max(fitting, key=lambda t: t.speed) if fitting else None
+
+
+def tuned_yaml(recipe_path: Path, out: Path, recipe: Recipe, device: Device, chosen: Tried, baseline: Tried) -> str:
+    """The tuned recipe: ``extends`` the original, sets what changed, and says why in its header."""
+    parent = os.path.relpath(recipe_path.resolve(), out.resolve().parent)
+    changes = [
+        o for o in chosen.candidate.overrides(device.devices) if o not in baseline.candidate.overrides(device.devices)
+    ]
+    lines = [
+        f"# {recipe_path.name} tuned for {device.name} by `lowmem-tpu tune` (libtpu's cost model, per chip):",
+        f"#   chosen:   {chosen.candidate.describe()}",
+        f"#             {_figures(chosen)}",
+        f"#   original: {baseline.candidate.describe()}",
+        f"#             {_figures(baseline)}",
+        "# Figures from the TPU compiler's program of the step, not a run; `lowmem-tpu memory THIS --compile`.",
+        f"extends: {parent}",
+    ]
+    sections: dict[str, list[str]] = {}
+    for change in changes:
+        key, value = change.split("=", 1)
+        section, name = key.split(".", 1)
+        sections.setdefault(section, []).append(f"  {name}: {value}")
+    for section, entries in sections.items():
+        lines += [f"{section}:", *entries]
+    return "\n".join(lines) + "\n"
+
+
+def _figures(t: Tried) -> str:
+    if not t.estimate.get("reported"):
+        return t.verdict
+    e = t.estimate
+    useful = f", {e['useful_tokens_per_second_per_chip']:,.0f} useful tokens/s" if e.get("fill") else ""
+    return (
+        f"{(t.needed or 0) / 2**30:.2f} GiB, step {e['step_seconds'] * 1e3:.0f} ms, MFU {e.get('mfu', 0):.0%}, "
+        f"{e['tokens_per_second_per_chip']:,.0f} tokens/s{useful}"
+    )
+
+
+def row(t: Tried) -> str:
+    """One line of the table ``tune`` prints."""
+    planned = f"{t.planned / 2**30:5.2f}" if t.planned is not None else "    -"
+    return f"{t.candidate.describe():<62} plan {planned} GiB  {_figures(t) if t.estimate else t.verdict}"
+
+
+def tune_json(tried: list[Tried], fills: dict[bool, float | None], source: str, device: Device) -> dict[str, Any]:
+    """What ``tune`` writes beside the recipe: every candidate, its plan, verdict and estimate."""
+    from dataclasses import asdict
+
+    return {
+        "target": device.name,
+        "fill": {"padded": fills[False], "packed": fills[True], "source": source},
+        "tried": [
+            {"settings": asdict(t.candidate)} | {k: v for k, v in vars(t).items() if k != "candidate"} for t in tried
+        ],
+    }
