@@ -87,23 +87,30 @@ def _compiler(records: dict, name: str, device: str) -> str:
     return verdict
 
 
+def _step(records: dict, name: str, device: str) -> str:
+    estimate = (records.get(f"{name}@{device}") or {}).get("step_estimate") or {}
+    return f"{estimate['step_seconds']:.2f} s ({estimate['mfu']:.0%})" if estimate.get("reported") else ""
+
+
 def table() -> str:
     """README.md: each shipped recipe on its target, the planner's peak beside the TPU compiler's figure."""
     records = json.loads(RECORD.read_text())
     rows = [
-        "| recipe | `runtime.target` | what | planned peak | needed (+ margin) | TPU compiler | of |",
-        "|---|---|---|---|---|---|---|",
+        "| recipe | `runtime.target` | what | planned peak | needed (+ margin) | TPU compiler | of "
+        "| step by libtpu's cost model (MFU) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for item in describe_shipped():
         if not item.target or item.target == "cpu":
             compiled = ", ".join(f"{size(records[f'{item.name}@{d}']['needed'])} on {d}" for d in ("v5e-8", "v5e-1"))
-            rows.append(f"| `{item.name}.yaml` | cpu | the demo | | | {compiled} | |")
+            rows.append(f"| `{item.name}.yaml` | cpu | the demo | | | {compiled} | | |")
             continue
         recipe = load_recipe(str(item.path), ["runtime.device=tpu"])
         plan = plan_recipe(recipe, item.target, require_config(recipe)).plan
         rows.append(
             f"| `{item.name}.yaml` | {item.target} | {_what(recipe)} | {size(plan.peak)} "
-            f"| {size(plan.needed)} | {_compiler(records, item.name, item.target)} | {size(plan.capacity)} |"
+            f"| {size(plan.needed)} | {_compiler(records, item.name, item.target)} | {size(plan.capacity)} "
+            f"| {_step(records, item.name, item.target)} |"
         )
     return "\n".join(rows)
 
@@ -399,6 +406,51 @@ def memory_output(recipe: str, overrides: list[str] | None = None, device: str |
     return output
 
 
+def speed_table() -> str:
+    """docs/speed.md: every shipped recipe's step on its TPU by libtpu's cost model (docs/tpu_compile.json)."""
+    records = json.loads(RECORD.read_text())
+    rows = [
+        "| recipe | target | HBM per chip | step (libtpu's cost model) | MFU | tokens/s/chip | TFLOP/chip/step "
+        "| compiled in |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, device, _ in _targets():
+        record = records.get(f"{name}@{device}") or {}
+        estimate = record.get("step_estimate") or {}
+        if not estimate.get("reported"):
+            why = estimate.get("why") or record.get("blocked") or "not compiled"
+            rows.append(f"| `{name}` | {device} | {size(record.get('needed'))} | {why} | | | | |")
+            continue
+        kernels = f" (+{estimate['kernel_seconds'] * 1e3:.0f} ms kernels)" if estimate["kernel_seconds"] else ""
+        rows.append(
+            f"| `{name}` | {device} | {size(record['needed'])} | {estimate['compiled_seconds'] * 1e3:.0f} ms{kernels} "
+            f"| {estimate['mfu']:.0%} | {estimate['tokens_per_second_per_chip']:,.0f} "
+            f"| {estimate['flops_per_chip'] / 1e12:.1f} | {_how(record)} |"
+        )
+    return "\n".join(rows)
+
+
+def compile_output(name: str, device: str) -> Callable[[], str]:
+    """``lowmem-tpu memory RECIPE --compile``'s report, printed from the recipe's record (no compile)."""
+
+    def output() -> str:
+        from dataclasses import fields
+
+        from lowmem_tpu.measure.buffers import OutOfMemory
+        from lowmem_tpu.measure.tpu_compile import TpuCompile
+        from lowmem_tpu.measure.tpu_report import compile_beside_plan
+
+        record = json.loads(RECORD.read_text())[f"{name}@{device}"]
+        known = {f.name for f in fields(TpuCompile)}
+        values = {k: v for k, v in record.items() if k in known}
+        values["refused"] = OutOfMemory(**values["refused"]) if values.get("refused") else None
+        values["extrapolated_from"] = tuple(values.get("extrapolated_from") or ())
+        _, _, text = compile_beside_plan(_recipe(name), device, TpuCompile(**values))
+        return f"```\n$ lowmem-tpu memory recipes/{name}.yaml --compile\n{text}\n```"
+
+    return output
+
+
 # ----------------------------------------------------------------------------- recorded results
 
 
@@ -469,6 +521,9 @@ TABLES: list[tuple[Path, str, Callable[[], str]]] = [
     (COMPILER_DOC, "recipe-table", compiler_table),
     (COMPILER_DOC, "layers-table", layers_table),
     (COMPILER_DOC, "layer-slopes", slopes_table),
+    (COMPILER_DOC, "compile-open-llama-lora", compile_output("open_llama_lora", "v5e-8")),
+    (DOCS / "speed.md", "step-estimates", speed_table),
+    (DOCS / "speed.md", "adapter-dtype-loss", benchmark_table("adapter_dtype_loss")),
     (DOCS / "memory.md", "devices", devices_table),
     (DOCS / "memory.md", "memory-open-llama-lora", memory_output("open_llama_lora")),
     (DOCS / "memory.md", "memory-open-llama-full-v5e1", memory_output("open_llama_full", device="v5e-1")),

@@ -67,6 +67,9 @@ def _print_counts(s: dict[str, Any], length: int) -> None:
         f"tokens per record: median {lengths['p50']}, p90 {lengths['p90']}, p99 {lengths['p99']}, "
         f"longest {lengths['max']}; {s['trained_tokens']:,} of {s['tokens']:,} tokens trained"
     )
+    if s["rows"]:
+        fill = s["tokens"] / (s["rows"] * length)
+        typer.echo(f"rows {fill:.1%} full (real tokens over positions: `memory --compile --fill {fill:.2f}`)")
 
 
 def _span(trained: bool, text: str, color: bool) -> str:

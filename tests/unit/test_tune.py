@@ -1,0 +1,58 @@
+"""``lowmem-tpu tune``'s search space and the recipe it writes (no compile: tests/e2e/test_tune.py compiles)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from lowmem_tpu.config import load_recipe
+from lowmem_tpu.config.devices import DEVICES
+from lowmem_tpu.tune import Candidate, Tried, best, candidates, tuned_yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+RECIPE = ROOT / "recipes" / "open_llama_lora.yaml"
+
+
+def test_the_recipe_is_tried_first_then_less_recomputation_and_the_global_batch_is_kept():
+    recipe = load_recipe(str(RECIPE), ["runtime.device=tpu"])
+    found = candidates(recipe, DEVICES["v5e-8"], {False: 0.5, True: 0.8}, grow_batch=False)
+    own = found[0]
+    assert (own.rows, own.accumulation, own.checkpointing, own.attention, own.packing) == (4, 1, True, "eager", False)
+    assert len(found) == len(set(found))  # each setting once
+    assert {c.rows * c.accumulation for c in found} == {4}  # 32 sequences over 8 chips, always
+    assert {c.checkpointing for c in found} == {True, False, "every_2", "every_4"}
+    assert {c.attention for c in found} == {"eager", "flash"} and {c.packing for c in found} == {False, True}
+    assert found[1].checkpointing is False and found[1].rows == 4  # the least recomputation, most rows next
+    grown = candidates(recipe, DEVICES["v5e-8"], {False: 0.5, True: 0.8}, grow_batch=True)
+    assert {c.rows for c in grown} == {1, 2, 4, 8, 16}
+
+
+def test_no_packing_without_a_fuller_fill_and_no_flash_off_a_tpu_or_where_it_cannot_tile():
+    recipe = load_recipe(str(RECIPE), ["runtime.device=tpu"])
+    unknown = candidates(recipe, DEVICES["v5e-8"], {False: None, True: None}, grow_batch=False)
+    assert {c.packing for c in unknown} == {False}
+    short = load_recipe(str(RECIPE), ["runtime.device=tpu", "data.max_length=600"])
+    assert {c.attention for c in candidates(short, DEVICES["v5e-8"], {}, grow_batch=False)} == {"eager"}
+
+
+def test_the_tuned_recipe_extends_the_original_and_sets_only_what_changed(tmp_path):
+    recipe = load_recipe(str(RECIPE), ["runtime.device=tpu"])
+    device = DEVICES["v5e-8"]
+    estimate = {"reported": True, "step_seconds": 0.8, "mfu": 0.4, "tokens_per_second_per_chip": 5000.0}
+    baseline = Tried(Candidate(4, 1, True, "eager", False), needed=2**31, fits=True, estimate=estimate)
+    chosen = Tried(Candidate(2, 2, "every_2", "flash", False), needed=2**32, fits=True, estimate=estimate)
+    assert best([baseline, chosen, Tried(Candidate(4, 1, False, "flash", False))]) in (baseline, chosen)
+    out = tmp_path / "sub" / "tuned.yaml"
+    out.parent.mkdir()
+    text = tuned_yaml(RECIPE, out, recipe, device, chosen, baseline)
+    data = yaml.safe_load(text)
+    assert (out.parent / data["extends"]).resolve() == RECIPE.resolve()
+    assert data["train"] == {"gradient_accumulation_steps": 2}  # 2 rows x 8 chips x 2 = 32: the batch is unchanged
+    assert data["sharding"] == {"activation_checkpointing": "every_2"} and data["model"] == {
+        "attn_implementation": "flash"
+    }
+    assert "data" not in data and "chosen:" in text and "original:" in text
+    out.write_text(text)
+    tuned = load_recipe(str(out), ["runtime.device=tpu"])
+    assert tuned.train.global_batch_size == 32 and tuned.sharding.checkpoint_every == 2
