@@ -38,8 +38,9 @@ def table(result: dict) -> str:
     names = list(result["curves"])
     lines = [
         f"The tiny demo in bf16 on the CPU backend, {result['steps']} steps, seed 42 "
-        f"(`python benchmarks/adapter_dtype_loss.py`): largest difference of the logged losses "
-        f"{result['largest_difference']:.4f} (final losses {result['final'][names[0]]:.4f} and "
+        f"(`python benchmarks/adapter_dtype_loss.py`): the largest difference of the logged losses is "
+        f"{result['largest_difference']:.4f} between the two, {result['seed_difference']:.4f} between fp32 "
+        f"adapters at seeds 42 and 43 (final losses {result['final'][names[0]]:.4f} and "
         f"{result['final'][names[1]]:.4f}).",
         "",
         f"| step | {' | '.join(names)} |",
