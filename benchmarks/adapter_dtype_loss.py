@@ -3,9 +3,9 @@
     python benchmarks/adapter_dtype_loss.py [--steps 50] [--table]
 
 Trains the tiny demo in bf16 (``model.dtype=bfloat16``) for ``--steps`` steps twice, same data, same
-seed, on the CPU backend: once with the adapters in bf16 (the default: the adapter branch computes in the
-base's dtype, the optimizer updates fp32 master copies) and once with PEFT's fp32 adapters
-(``lora.dtype=float32``); the noise is the fp32 run against itself with another seed (43: other
+seed, on the CPU backend: once with the adapters in bf16 (``lora.dtype=model``: the adapter branch computes
+in the base's dtype, the optimizer updates fp32 master copies) and once with PEFT's fp32 adapters (the
+default, ``lora.dtype=float32``); the noise is the fp32 run against itself with another seed (43: other
 adapters drawn, other batches). Prints both curves' logged losses and the largest differences; writes
 ``benchmarks/results/adapter_dtype_loss.json``; ``--table`` prints its markdown table from that file.
 """

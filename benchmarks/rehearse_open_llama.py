@@ -58,7 +58,7 @@ def main() -> None:
     local.append("train.resume=never")
     full = ["train.optimizer=adamw", "train.learning_rate=2e-5", "train.lr_scheduler=constant"]
     runs = {
-        "lora": ("recipes/open_llama_lora.yaml", []),
+        "lora": ("recipes/open_llama_lora.yaml", ["model.attn_implementation=chunked", "data.packing=false"]),
         "full bf16, master weights": ("recipes/open_llama_full.yaml", full),
         "full bf16, no master weights": ("recipes/open_llama_full.yaml", [*full, "train.master_weights=false"]),
         "full fp32": ("recipes/open_llama_full.yaml", [*full, "model.dtype=float32"]),

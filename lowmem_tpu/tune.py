@@ -180,7 +180,7 @@ def best(tried: list[Tried]) -> Tried | None:
 
 def tuned_yaml(recipe_path: Path, out: Path, recipe: Recipe, device: Device, chosen: Tried, baseline: Tried) -> str:
     """The tuned recipe: ``extends`` the original, sets what changed, and says why in its header."""
-    parent = os.path.relpath(recipe_path.resolve(), out.resolve().parent)
+    parent = os.path.relpath(os.path.abspath(recipe_path), os.path.abspath(out.parent))
     changes = [
         o for o in chosen.candidate.overrides(device.devices) if o not in baseline.candidate.overrides(device.devices)
     ]
@@ -208,8 +208,9 @@ def _figures(t: Tried) -> str:
         return t.verdict
     e = t.estimate
     useful = f", {e['useful_tokens_per_second_per_chip']:,.0f} useful tokens/s" if e.get("fill") else ""
+    step = "micro-step" if t.candidate.accumulation > 1 else "step"
     return (
-        f"{(t.needed or 0) / 2**30:.2f} GiB, step {e['step_seconds'] * 1e3:.0f} ms, MFU {e.get('mfu', 0):.0%}, "
+        f"{(t.needed or 0) / 2**30:.2f} GiB, {step} {e['step_seconds'] * 1e3:.0f} ms, MFU {e.get('mfu', 0):.0%}, "
         f"{e['tokens_per_second_per_chip']:,.0f} tokens/s{useful}"
     )
 

@@ -430,6 +430,36 @@ def speed_table() -> str:
     return "\n".join(rows)
 
 
+def tune_table(result: str) -> Callable[[], str]:
+    """docs/speed.md: every candidate ``lowmem-tpu tune`` compiled (its JSON, kept in benchmarks/results/)."""
+
+    def output() -> str:
+        record = json.loads((RESULTS / result).read_text())
+        rows = [
+            f"`lowmem-tpu tune` for {record['target']}, per chip (tokens/s: every position of a row):",
+            "",
+            "| rows per chip x micro-batches | checkpointing | attention | packed | HBM (TPU compiler) "
+            "| (micro-)step | MFU | tokens/s/chip |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for t in record["tried"]:
+            c, e = t["settings"], t["estimate"]
+            ckpt = {True: "every layer", False: "none"}.get(c["checkpointing"], c["checkpointing"])
+            packed = "yes" if c["packing"] else "no"
+            head = f"| {c['rows']} x {c['accumulation']} | {ckpt} | {c['attention']} | {packed} "
+            if not e.get("reported"):
+                rows.append(head + f"| {t['verdict']} | | | |")
+                continue
+            fits = "" if t["fits"] else " (does not fit)"
+            rows.append(
+                head + f"| {size(t['needed'])}{fits} | {e['step_seconds'] * 1e3:.0f} ms | {e['mfu']:.0%} "
+                f"| {e['tokens_per_second_per_chip']:,.0f} |"
+            )
+        return "\n".join(rows)
+
+    return output
+
+
 def compile_output(name: str, device: str) -> Callable[[], str]:
     """``lowmem-tpu memory RECIPE --compile``'s report, printed from the recipe's record (no compile)."""
 
@@ -523,6 +553,7 @@ TABLES: list[tuple[Path, str, Callable[[], str]]] = [
     (COMPILER_DOC, "layer-slopes", slopes_table),
     (COMPILER_DOC, "compile-open-llama-lora", compile_output("open_llama_lora", "v5e-8")),
     (DOCS / "speed.md", "step-estimates", speed_table),
+    (DOCS / "speed.md", "tune-open-llama-lora", tune_table("tune_open_llama_lora_v5e8.json")),
     (DOCS / "speed.md", "adapter-dtype-loss", benchmark_table("adapter_dtype_loss")),
     (DOCS / "memory.md", "devices", devices_table),
     (DOCS / "memory.md", "memory-open-llama-lora", memory_output("open_llama_lora")),

@@ -18,14 +18,22 @@ from lowmem_tpu.errors import NonFiniteError, UserError
 def validate(recipe: RecipeArg = None, overrides: OverridesArg = None) -> None:
     """Check a recipe (schema, files, batch split, layer class) without loading any weights."""
     loaded = load_args(recipe, overrides)
+    from lowmem_tpu.config.checks import cpu_backend_problems
+    from lowmem_tpu.config.platform import platform_for
     from lowmem_tpu.preflight import preflight
     from lowmem_tpu.xla.runtime import configure_environment
 
     configure_environment(loaded.runtime)  # before the model check imports transformers
     # A valid recipe may still not run here: the backend it lands on, the target's split, the [scan] extra.
-    summary = preflight(loaded, platform=True, target=True, scan="installed", model=True)
+    # A TPU recipe (runtime.device auto, a TPU target) validated off a TPU is valid: what a CPU rehearsal of
+    # it would need is said, not refused.
+    rehearsal = loaded.runtime.device == "auto" and loaded.runtime.target not in (None, "cpu")
+    summary = preflight(loaded, platform=not rehearsal, target=True, scan="installed", model=True)
     target = f"; sized for {loaded.runtime.target}" if loaded.runtime.target else ""
     typer.echo(f"ok: {recipe or 'embedded default'} is valid ({summary}{target})")
+    if rehearsal and platform_for("auto") == "CPU" and (problems := cpu_backend_problems(loaded)):
+        needs = "; ".join(message for _, message in problems)
+        typer.echo(f"note: no TPU here; a rehearsal on the CPU backend needs: {needs}")
 
 
 @app.command()

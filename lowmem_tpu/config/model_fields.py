@@ -98,11 +98,11 @@ class LoraSection(Section):
         default_factory=lambda: list(LORA_TARGETS),
         description="Module names that get adapters, or all-linear.",
     )
-    dtype: Literal["model", "float32"] = Field(
-        "model",
-        description="The adapters' dtype: model = the base's (bf16 on a TPU: the adapter branch computes in "
-        "bf16, with fp32 master copies of the adapters in the optimizer, train.master_weights), float32 = "
-        "PEFT's default (fp32 adapters: every adapted projection's input and output cast to fp32 and back).",
+    dtype: Literal["float32", "model"] = Field(
+        "float32",
+        description="The adapters' dtype: float32 = PEFT's default (every adapted projection's input and output "
+        "cast to fp32 and back), model = the base's (bf16 on a TPU: the adapter branch in bf16, fp32 master "
+        "copies of the adapters in the optimizer; the step's time and memory: docs/speed.md).",
     )
     use_rslora: bool = Field(False, description="Rank-stabilized LoRA (PEFT's use_rslora): scale = alpha / sqrt(r).")
     use_dora: bool = Field(

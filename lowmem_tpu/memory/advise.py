@@ -15,6 +15,7 @@ from lowmem_tpu.config.devices import Device, GiB, find_device
 from lowmem_tpu.errors import UserError
 from lowmem_tpu.memory.plan import Plan, plan_setting
 from lowmem_tpu.memory.shape import Setting, Shape, setting_of, shape_of
+from lowmem_tpu.memory.tpu_layout import UNCALIBRATED_MORE, calibrated
 
 # ----------------------------------------------------------------------------- what to turn on next
 
@@ -290,13 +291,22 @@ ROUGH_BELOW = GiB
 
 
 def small_plan_note(plan: Plan) -> str | None:
-    """What to read instead of a TPU plan too small for the planner's layout to be within 10%."""
-    if plan.layout != "tpu" or plan.peak >= ROUGH_BELOW:
+    """What to read instead of a TPU plan the planner's layout is not within 10% for: a step too small, or
+    one unlike the checkpointed steps the layout is read off (``tpu_layout.calibrated``)."""
+    if plan.layout != "tpu":
         return None
-    return (
-        f"a TPU step under {gib(ROUGH_BELOW)} per chip is planned roughly (off by up to 4.5x: the compiler keeps "
-        "small buffers in on-chip VMEM and has fixed costs); --compile gives the TPU compiler's own figure"
-    )
+    if plan.peak < ROUGH_BELOW:
+        return (
+            f"a TPU step under {gib(ROUGH_BELOW)} per chip is planned roughly (off by up to 4.5x: the compiler "
+            "keeps small buffers in on-chip VMEM and has fixed costs); --compile gives the TPU compiler's own figure"
+        )
+    if not calibrated(plan.setting):
+        return (
+            "the TPU layout is read off steps that recompute every layer in one micro-batch: here the compiler "
+            f"keeps up to {UNCALIBRATED_MORE:.0%} more than planned (`lowmem-tpu tune`'s candidates); --compile "
+            "gives the TPU compiler's own figure"
+        )
+    return None
 
 
 def twin_overrides(plan: Plan) -> list[str]:

@@ -30,6 +30,7 @@ def test_each_format_trains_through_the_shipped_recipe(model_dir, tmp_path, fmt,
     data = write(tmp_path / f"{fmt}.jsonl", records)
     local = [f"output_dir={tmp_path / 'run'}", f"model.name_or_path={model_dir}", f"data.path={data}"]
     local += ["runtime.device=cpu", "runtime.num_cpu_devices=4", "data.max_length=128", "train.global_batch_size=8"]
+    local += ["model.attn_implementation=chunked", "data.packing=false"]  # the recipe's flash is the TPU's; a row each
     local += [
         "train.max_steps=2",
         "train.logging_steps=1",
@@ -52,7 +53,8 @@ def test_the_data_command_shows_what_is_trained_and_what_is_cut(model_dir, tmp_p
     dolly = write(tmp_path / "dolly.jsonl", [*records, {"instruction": "stone " * 80, "context": "", "response": "x"}])
     args = ["recipes/open_llama_lora.yaml", f"model.name_or_path={model_dir}", f"data.path={dolly}"]
     args += ["data.format=alpaca", "data.columns={instruction: instruction, input: context, output: response}"]
-    args += [f"output_dir={tmp_path / 'run'}", "data.max_length=160"]
+    args += [f"output_dir={tmp_path / 'run'}", "data.max_length=160", "data.packing=false"]
+    args += ["model.attn_implementation=chunked"]  # flash (the recipe's, on a TPU) tiles no 160-token row
 
     def cli(*extra: str) -> subprocess.CompletedProcess[str]:
         cmd = [sys.executable, "-m", "lowmem_tpu.cli", "data", *args, *extra]

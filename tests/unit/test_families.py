@@ -215,3 +215,22 @@ def test_the_adapters_are_drawn_from_the_recipes_seed_on_a_loaded_base(stand_ins
         adapters = apply_lora(build_base_model(model, recipe.train.seed), recipe).state_dict()
         drawn.append({k: v for k, v in adapters.items() if "lora_A" in k})
     assert drawn[0] and all(torch.equal(drawn[0][k], drawn[1][k]) for k in drawn[0])
+
+
+@pytest.mark.parametrize("quantize", ["none", "nf4"])
+def test_lora_dtype_model_puts_every_adapter_in_the_bases_dtype_with_fp32_masters(quantize):
+    from lowmem_tpu.config.schema import uses_master_weights
+    from lowmem_tpu.model import apply_lora
+
+    bf16 = ["model.name_or_path=builtin:tiny-llama", "model.random_init=true", "model.dtype=bfloat16"]
+    recipe = load_recipe(None, [*bf16, f"model.quantize={quantize}"])
+    adapters = {
+        p.dtype
+        for n, p in apply_lora(build_base_model(recipe.model, weights="random"), recipe).named_parameters()
+        if ".lora_" in n
+    }
+    assert adapters == {torch.float32} and not uses_master_weights(recipe)  # PEFT's default: fp32 adapters
+    recipe = load_recipe(None, [*bf16, f"model.quantize={quantize}", "lora.dtype=model"])
+    model = apply_lora(build_base_model(recipe.model, weights="random"), recipe)
+    adapters = {p.dtype for n, p in model.named_parameters() if ".lora_" in n}
+    assert adapters == {torch.bfloat16} and uses_master_weights(recipe)  # a quantized base's too

@@ -87,10 +87,8 @@ def test_a_step_too_big_to_compile_here_is_the_line_through_2_and_4_layers(tmp_p
     step_a = {"cycles": 3_000_000, "flops": 2e9, "hbm_bytes": 1e6, "kernels": [kernel | {"runs": 2}]}
     step_b = {"cycles": 5_000_000, "flops": 4e9, "hbm_bytes": 2e6, "kernels": [kernel | {"runs": 4}]}
     a = replace(base, arguments=20, outputs=10, aliased=8, temporaries=30, cost={"flops": 2.0}, step=step_a)
-    b = replace(
-        base, arguments=36, outputs=18, aliased=14, temporaries=40, cost={"flops": 4.0}, host_peak_rss_bytes=90
-    )
-    b = replace(b, step=step_b)
+    b = replace(base, arguments=36, outputs=18, aliased=14, temporaries=40, cost={"flops": 4.0}, step=step_b)
+    b = replace(b, host_peak_rss_bytes=90)
     whole = extrapolate({4: b, 2: a}, 32)  # per layer: 8 + 4 - 3 + 5 = 14 needed, from 52 at 2 layers
     assert whole.needed == a.needed + 30 * 14 == 472 and whole.fits and whole.extrapolated_from == (2, 4)
     assert whole.arguments == 260 and whole.cost["flops"] == 32.0
