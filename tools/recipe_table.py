@@ -554,6 +554,7 @@ TABLES: list[tuple[Path, str, Callable[[], str]]] = [
     (COMPILER_DOC, "compile-open-llama-lora", compile_output("open_llama_lora", "v5e-8")),
     (DOCS / "speed.md", "step-estimates", speed_table),
     (DOCS / "speed.md", "tune-open-llama-lora", tune_table("tune_open_llama_lora_v5e8.json")),
+    (DOCS / "speed.md", "tune-open-llama-lora-v5e1", tune_table("tune_open_llama_lora_v5e1.json")),
     (DOCS / "speed.md", "adapter-dtype-loss", benchmark_table("adapter_dtype_loss")),
     (DOCS / "memory.md", "devices", devices_table),
     (DOCS / "memory.md", "memory-open-llama-lora", memory_output("open_llama_lora")),

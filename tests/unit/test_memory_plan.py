@@ -441,7 +441,7 @@ def test_quantized_lm_head_is_counted_and_dequantized_whole():
 def test_quantization_is_suggested_to_lora_only_and_shown_in_the_report():
     seven = ["model.name_or_path=openlm-research/open_llama_7b_v2", "train.global_batch_size=1"]
     seven += ["model.attn_implementation=chunked", "train.chunked_loss=true", "data.max_length=2048"]  # levers on
-    seven += ["train.gradient_accumulation_steps=1"]
+    seven += ["train.gradient_accumulation_steps=1", "sharding.activation_checkpointing=true"]
     recipe = load_recipe(ROOT / "recipes/open_llama_lora.yaml", [*seven, "runtime.num_cpu_devices=1"])
     report = memory_report.plan_recipe(recipe, "v5e-1", require_config(recipe))
     assert not report.plan.fits
@@ -470,7 +470,7 @@ def test_the_tpu_plan_is_within_ten_percent_of_the_tpu_compiler_on_the_shipped_r
     """docs/tpu_compile.json holds the TPU compiler's figure for every shipped recipe it could compile here
     (``make tpu-compile-check`` keeps it current); the planner's TPU layout must stay within 10% of each at
     real size that it is read off (every layer recomputed, one micro-batch over several chips); a tuned
-    recipe unlike those is planned under the compiler's figure, by no more than the plan's note says.
+    recipe unlike those is within 10% or under the compiler's figure by no more than the plan's note says.
     The tiny demo is left out: its few MiB are the compiler's fixed costs and on-chip memory. The 7B and
     70B QLoRA recipes and the family recipes are compiled at 2 and 4 layers and extrapolated. Phi's steps
     (fused projections) are over-planned, not yet calibrated: within 25%, above the compiler."""
@@ -493,4 +493,5 @@ def test_the_tpu_plan_is_within_ten_percent_of_the_tpu_compiler_on_the_shipped_r
     for key, error in checked + extrapolated:
         low, high = (0.0, 0.25) if key.startswith("phi") else (-0.10, 0.10)  # the error allowed
         assert low <= error <= high, (key, error)
-    assert uncalibrated and all(0 <= more <= tpu_layout.UNCALIBRATED_MORE for _, more in uncalibrated), uncalibrated
+    more = [(key, m) for key, m in uncalibrated if not -0.10 <= m <= tpu_layout.UNCALIBRATED_MORE]
+    assert uncalibrated and more == [], uncalibrated  # under by no more than the note says (or within 10%)

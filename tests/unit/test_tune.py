@@ -12,10 +12,17 @@ from lowmem_tpu.tune import Candidate, Tried, best, candidates, tuned_yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "recipes" / "open_llama_lora.yaml"
+# The recipe's settings before it was tuned: what the search starts from in these tests.
+BEFORE = [
+    "model.attn_implementation=eager",
+    "data.packing=false",
+    "sharding.activation_checkpointing=true",
+    "train.gradient_accumulation_steps=1",
+]
 
 
 def test_the_recipe_is_tried_first_then_less_recomputation_and_the_global_batch_is_kept():
-    recipe = load_recipe(str(RECIPE), ["runtime.device=tpu"])
+    recipe = load_recipe(str(RECIPE), ["runtime.device=tpu", *BEFORE])
     found = candidates(recipe, DEVICES["v5e-8"], {False: 0.5, True: 0.8}, grow_batch=False)
     own = found[0]
     assert (own.rows, own.accumulation, own.checkpointing, own.attention, own.packing) == (4, 1, True, "eager", False)
@@ -24,15 +31,15 @@ def test_the_recipe_is_tried_first_then_less_recomputation_and_the_global_batch_
     assert {c.checkpointing for c in found} == {True, False, "every_2", "every_4"}
     assert {c.attention for c in found} == {"eager", "flash"} and {c.packing for c in found} == {False, True}
     assert found[1].checkpointing is False and found[1].rows == 4  # the least recomputation, most rows next
-    grown = candidates(recipe, DEVICES["v5e-8"], {False: 0.5, True: 0.8}, grow_batch=True)
+    grown = candidates(recipe, DEVICES["v5e-8"], {False: 0.5, True: 0.8}, grow_batch=True)  # 4 rows now: 8, 16
     assert {c.rows for c in grown} == {1, 2, 4, 8, 16}
 
 
 def test_no_packing_without_a_fuller_fill_and_no_flash_off_a_tpu_or_where_it_cannot_tile():
-    recipe = load_recipe(str(RECIPE), ["runtime.device=tpu"])
+    recipe = load_recipe(str(RECIPE), ["runtime.device=tpu", *BEFORE])
     unknown = candidates(recipe, DEVICES["v5e-8"], {False: None, True: None}, grow_batch=False)
     assert {c.packing for c in unknown} == {False}
-    short = load_recipe(str(RECIPE), ["runtime.device=tpu", "data.max_length=600"])
+    short = load_recipe(str(RECIPE), ["runtime.device=tpu", *BEFORE, "data.max_length=600"])
     assert {c.attention for c in candidates(short, DEVICES["v5e-8"], {}, grow_batch=False)} == {"eager"}
 
 
