@@ -97,7 +97,7 @@ def table() -> str:
     records = json.loads(RECORD.read_text())
     rows = [
         "| recipe | `runtime.target` | what | planned peak | needed (+ margin) | TPU compiler | of "
-        "| step by libtpu's cost model (MFU) |",
+        "| one micro-batch by libtpu's cost model (MFU) |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for item in describe_shipped():
@@ -410,20 +410,22 @@ def speed_table() -> str:
     """docs/speed.md: every shipped recipe's step on its TPU by libtpu's cost model (docs/tpu_compile.json)."""
     records = json.loads(RECORD.read_text())
     rows = [
-        "| recipe | target | HBM per chip | step (libtpu's cost model) | MFU | tokens/s/chip | TFLOP/chip/step "
-        "| compiled in |",
-        "|---|---|---|---|---|---|---|---|",
+        "| recipe | target | HBM per chip | micro-batches per step | one micro-batch (libtpu's cost model) | MFU "
+        "| tokens/s/chip | TFLOP/chip per micro-batch | compiled in |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for name, device, _ in _targets():
+    for name, device, path in _targets():
         record = records.get(f"{name}@{device}") or {}
         estimate = record.get("step_estimate") or {}
         if not estimate.get("reported"):
             why = estimate.get("why") or record.get("blocked") or "not compiled"
-            rows.append(f"| `{name}` | {device} | {size(record.get('needed'))} | {why} | | | | |")
+            rows.append(f"| `{name}` | {device} | {size(record.get('needed'))} | | {why} | | | | |")
             continue
+        micro = load_recipe(str(path), ["runtime.device=tpu"]).train.gradient_accumulation_steps
         kernels = f" (+{estimate['kernel_seconds'] * 1e3:.0f} ms kernels)" if estimate["kernel_seconds"] else ""
         rows.append(
-            f"| `{name}` | {device} | {size(record['needed'])} | {estimate['compiled_seconds'] * 1e3:.0f} ms{kernels} "
+            f"| `{name}` | {device} | {size(record['needed'])} | {micro} "
+            f"| {estimate['compiled_seconds'] * 1e3:.0f} ms{kernels} "
             f"| {estimate['mfu']:.0%} | {estimate['tokens_per_second_per_chip']:,.0f} "
             f"| {estimate['flops_per_chip'] / 1e12:.1f} | {_how(record)} |"
         )

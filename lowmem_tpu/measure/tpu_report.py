@@ -155,7 +155,7 @@ def format_compile(result: TpuCompile, planned_peak: int | None, cost: dict[str,
         error = (planned_peak - result.needed) / result.needed if result.needed else 0.0
         lines.append(f"  the planner's peak: {g(planned_peak)} ({error:+.0%} against the compiler)")
     if cost.get("reported"):
-        lines += estimate_lines(cost)
+        lines += estimate_lines(cost, micro=bool(result.resident))
     elif cost.get("why") and result.refused is None:
         lines.append(f"  step time: {cost['why']}")
     lines.append(
@@ -168,9 +168,10 @@ def format_compile(result: TpuCompile, planned_peak: int | None, cost: dict[str,
     return "\n".join(lines)
 
 
-def estimate_lines(cost: dict[str, Any]) -> list[str]:
-    """The step estimate as the report prints it."""
-    step = f"  step {cost['step_seconds'] * 1e3:.0f} ms by libtpu's cost model"
+def estimate_lines(cost: dict[str, Any], micro: bool = False) -> list[str]:
+    """The step estimate as the report prints it (``micro``: the program is one micro-batch's)."""
+    unit = "micro-batch" if micro else "step"
+    step = f"  {unit} {cost['step_seconds'] * 1e3:.0f} ms by libtpu's cost model"
     if cost["kernel_seconds"]:
         step += (
             f" ({cost['kernel_seconds'] * 1e3:.0f} ms of it Pallas kernels, by {', '.join(cost['kernels_costed_by'])})"
@@ -186,7 +187,7 @@ def estimate_lines(cost: dict[str, Any]) -> list[str]:
     else:
         why = f"{cost['fill_source']}: " if cost.get("fill_source") else ""
         tokens += f" (every position, padding included; {why}--fill R for useful tokens)"
-    lines.append(f"  per chip per step: {', '.join(figures)}; {tokens}")
+    lines.append(f"  per chip per {unit}: {', '.join(figures)}; {tokens}")
     if cost.get("loops_counted_once"):
         lines.append(f"  {cost['loops_counted_once']} loops without a readable trip count, counted once")
     return lines
