@@ -76,8 +76,15 @@ class Tried:
         return e.get("useful_tokens_per_second_per_chip") or e.get("tokens_per_second_per_chip") or 0.0
 
 
-def candidates(recipe: Recipe, device: Device, fills: dict[bool, float | None], grow_batch: bool) -> list[Candidate]:
-    """Every setting to try, the recipe's own first, then the least recomputation and most rows first."""
+KNOBS = ("rows", "checkpointing", "attention", "packing")
+
+
+def candidates(
+    recipe: Recipe, device: Device, fills: dict[bool, float | None], grow_batch: bool, keep: tuple[str, ...] = ()
+) -> list[Candidate]:
+    """Every setting to try, the recipe's own first, then the least recomputation and most rows first.
+
+    ``keep``: knobs (of :data:`KNOBS`) held as the recipe has them."""
     train, chips = recipe.train, device.devices
     rows_now = train.global_batch_size // train.gradient_accumulation_steps // chips
     per_step = train.global_batch_size // chips  # rows per chip per optimizer step
@@ -97,11 +104,13 @@ def candidates(recipe: Recipe, device: Device, fills: dict[bool, float | None], 
         recipe.model.attn_implementation,
         recipe.data.packing,
     )
+    if "rows" in keep:
+        sizes = {own.rows: own.accumulation}
     grid = [
         Candidate(rows, accumulation, ckpt, attention, packing)
-        for ckpt in CHECKPOINTING
-        for attention in reversed(attentions)
-        for packing in reversed(packings)
+        for ckpt in ([own.checkpointing] if "checkpointing" in keep else CHECKPOINTING)
+        for attention in ([own.attention] if "attention" in keep else reversed(attentions))
+        for packing in ([own.packing] if "packing" in keep else reversed(packings))
         for rows, accumulation in sorted(sizes.items(), reverse=True)
     ]
     return [own, *[c for c in grid if c != own]]
@@ -113,6 +122,7 @@ def tune(
     budget_seconds: float,
     grow_batch: bool = False,
     report: Callable[[int, int, Tried], None] | None = None,
+    keep: tuple[str, ...] = (),
 ) -> tuple[list[Tried], dict[bool, float | None], str]:
     """Try the candidates within ``budget_seconds``; returns what was tried, the fills and their source."""
     from lowmem_tpu.measure.tpu_report import recipe_fill
@@ -122,7 +132,7 @@ def tune(
     source = f"measured on {found.samples} records of the recipe's data" if found.padded else found.why
     started = time.monotonic()
     tried: list[Tried] = []
-    grid = candidates(recipe, device, fills, grow_batch)
+    grid = candidates(recipe, device, fills, grow_batch, keep)
     for k, candidate in enumerate(grid):
         item = Tried(candidate)
         tried.append(item)

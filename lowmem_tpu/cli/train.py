@@ -233,6 +233,13 @@ def tune(
         Path | None,
         typer.Option("--out", help="The tuned recipe (default: NAME_tuned.yaml here).", show_default=False),
     ] = None,
+    keep: Annotated[
+        str,
+        typer.Option(
+            "--keep",
+            help="Knobs held as the recipe has them, comma-separated: rows, checkpointing, attention, packing.",
+        ),
+    ] = "",
 ) -> None:
     """Find the fastest settings that fit the target (micro-batch x checkpointing x attention x packing),
     each compiled by the TPU compiler, and write them as a new recipe that extends this one."""
@@ -241,7 +248,7 @@ def tune(
     from lowmem_tpu.config.rules import parse_duration
     from lowmem_tpu.measure.tpu_compile import cleanup_on_sigterm, compile_target, require_compiler
     from lowmem_tpu.preflight import preflight
-    from lowmem_tpu.tune import best, row, tune, tune_json, tuned_yaml
+    from lowmem_tpu.tune import KNOBS, best, row, tune, tune_json, tuned_yaml
 
     loaded = load_args(recipe, [*(overrides or []), "runtime.device=tpu"])
     name = target or loaded.runtime.target
@@ -260,7 +267,10 @@ def tune(
         typer.echo(f"[{k}/{total}] {row(item)}", err=True)
 
     typer.echo(f"tuning {path.name} for {device.name}: each candidate traced here and compiled by libtpu", err=True)
-    tried, fills, source = tune(loaded, device, parse_duration(budget), grow_batch, progress)
+    held = tuple(k.strip() for k in keep.split(",") if k.strip())
+    if unknown := [k for k in held if k not in KNOBS]:
+        raise UserError(f"--keep: unknown {', '.join(unknown)}; the knobs are {', '.join(KNOBS)}")
+    tried, fills, source = tune(loaded, device, parse_duration(budget), grow_batch, progress, held)
     chosen, baseline = best(tried), tried[0]
     if chosen is None:
         typer.echo(f"nothing fits {device.name}: no candidate fits per the TPU compiler; nothing written")

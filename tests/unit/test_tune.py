@@ -63,3 +63,11 @@ def test_the_tuned_recipe_extends_the_original_and_sets_only_what_changed(tmp_pa
     out.write_text(text)
     tuned = load_recipe(str(out), ["runtime.device=tpu"])
     assert tuned.train.global_batch_size == 32 and tuned.sharding.checkpoint_every == 2
+
+
+def test_knobs_held_stay_as_the_recipe_has_them():
+    recipe = load_recipe(str(RECIPE), ["runtime.device=tpu", *BEFORE])
+    held = candidates(recipe, DEVICES["v5e-8"], {False: 0.5, True: 0.8}, False, keep=("checkpointing", "packing"))
+    assert {c.checkpointing for c in held} == {True} and {c.packing for c in held} == {False}
+    assert {c.attention for c in held} == {"eager", "flash"} and {c.rows for c in held} == {1, 2, 4}
+    assert candidates(recipe, DEVICES["v5e-8"], {}, False, keep=("rows", "checkpointing", "attention")) == held[:1]

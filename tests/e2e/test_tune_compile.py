@@ -1,7 +1,8 @@
 """``lowmem-tpu tune``: the fastest settings that fit, each compiled by the TPU compiler on this machine.
 
-The tiny demo on one row per chip (8 rows on Kaggle's v5e-8) leaves checkpointing to search (every layer,
-every_2, every_4, none): four compiles of seconds each. A recipe that fits nowhere writes nothing.
+The tiny demo with 16 sequences on Kaggle's v5e-8 and its checkpointing held leaves the micro-batch to
+search (2 rows per chip, or 1 in each of 2 micro-batches): two compiles of seconds each. A recipe that fits
+nowhere writes nothing.
 """
 
 from __future__ import annotations
@@ -17,26 +18,31 @@ pytestmark = needs_compiler
 
 def test_tune_writes_the_fastest_fitting_recipe_which_validate_accepts(tmp_path):
     out = tmp_path / "tuned.yaml"
-    done = compiler_cli(
-        "tune", "recipes/tiny_lora_cpu.yaml", "train.global_batch_size=8", "--target", "v5e-8", "--out", str(out)
-    )
+    # 16 sequences on 8 chips, checkpointing held: 2 rows per chip, or 1 row in each of 2 micro-batches.
+    args = ["recipes/tiny_lora_cpu.yaml", "train.global_batch_size=16", "--target", "v5e-8", "--keep", "checkpointing"]
+    done = compiler_cli("tune", *args, "--out", str(out))
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "[4/4]" in done.stderr and "fastest that fits" in done.stdout
+    assert "[2/2]" in done.stderr and "fastest that fits" in done.stdout
     report = json.loads(out.with_suffix(".json").read_text())
     tried = report["tried"]
-    assert [t["settings"]["checkpointing"] for t in tried] == [True, False, "every_4", "every_2"]  # the recipe's first
+    assert [(t["settings"]["rows"], t["settings"]["accumulation"]) for t in tried] == [
+        (2, 1),
+        (1, 2),
+    ]  # the recipe's first
     assert all(t["fits"] and t["estimate"]["reported"] for t in tried)
+    assert {t["settings"]["checkpointing"] for t in tried} == {True}  # held
     assert report["fill"]["padded"] > 0.5  # the demo's own data, tokenized: every row nearly full
     fastest = max(tried, key=lambda t: t["estimate"]["useful_tokens_per_second_per_chip"])
     text = out.read_text()
     recipe = yaml.safe_load(text)
     assert recipe["extends"].endswith("tiny_lora_cpu.yaml")
-    chosen = fastest["settings"]["checkpointing"]
-    if chosen is not True:  # only what changed is written
-        assert recipe["sharding"]["activation_checkpointing"] == chosen
+    accumulation = fastest["settings"]["accumulation"]
+    assert recipe.get("train", {}).get("gradient_accumulation_steps", 1) == accumulation  # only what changed
     assert "tuned for v5e-8" in text and "original:" in text
     valid = command_cli("validate", str(out), "runtime.device=cpu")
     assert valid.returncode == 0, valid.stderr[-2000:]
+    held = compiler_cli("tune", *args[:-1], "speed", "--out", str(tmp_path / "x.yaml"))
+    assert held.returncode == 2 and "--keep: unknown speed" in held.stderr and "Traceback" not in held.stderr
 
 
 def test_tune_on_a_recipe_that_fits_nowhere_says_so_and_writes_nothing(tmp_path):
