@@ -22,7 +22,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "outputs" / "rehearse_open_llama"
 # The local overrides of tests/e2e/test_open_llama.py (4 CPU devices, batch 8 x 128, a log every step, no
-# saves): the rehearsal's figures in docs/cpu.md use these.
+# saves) but its chunked attention, which the LoRA run names (flash is the recipe's TPU kernel): the
+# rehearsal's figures in docs/cpu.md use these.
 STEPS = [
     "runtime.device=cpu",
     "runtime.num_cpu_devices=4",

@@ -328,7 +328,7 @@ def kernels(computations: dict[str, dict[str, Instruction]], entry: str) -> list
         for instruction in scope.values():
             if instruction.op == "custom-call" and 'custom_call_target="tpu_custom_call"' in instruction.attributes:
                 typed = [arrays(scope[n].type) for n in instruction.operands if n in scope]
-                shapes = tuple(found[0][1] for found in typed if found)
+                shapes = tuple(operand[0][1] for operand in typed if operand)
                 declared = _DECLARED.search(instruction.attributes)
                 kernel = Kernel(
                     kernel_name(instruction.attributes),
