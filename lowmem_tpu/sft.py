@@ -27,6 +27,7 @@ if TYPE_CHECKING:  # the types of a run's state, imported when the run builds it
     from lowmem_tpu.model.names import ParamNames
     from lowmem_tpu.train.guard import GuardCallback
     from lowmem_tpu.train.metrics import MetricsCallback
+    from lowmem_tpu.train.preference import XlaDPOTrainer
     from lowmem_tpu.train.trainer import XlaSFTTrainer
     from lowmem_tpu.xla.runtime import Runtime
 
@@ -49,7 +50,7 @@ class SftRun:
 
     metrics: dict[str, Any]
     final_dir: Path | None  # final/, or the checkpoint a stopped run saved (None if it saved none)
-    trainer: XlaSFTTrainer  # ``trainer.fsdp_model`` is the trained, wrapped model
+    trainer: XlaSFTTrainer | XlaDPOTrainer  # ``trainer.fsdp_model`` is the trained, wrapped model
     names: ParamNames  # of the unwrapped model
     stopped: str | None = None  # "SIGTERM", "SIGINT" or "max_wall_time" when it saved and stopped early
 
@@ -60,7 +61,7 @@ class Job:
 
     model: torch.nn.Module  # the unwrapped (PEFT) model; its parameters live sharded on the devices
     names: ParamNames  # taken before wrapping
-    trainer: XlaSFTTrainer
+    trainer: XlaSFTTrainer | XlaDPOTrainer
     metrics: MetricsCallback
     guard: GuardCallback
     base: str  # where the adapter's base lives (recorded in adapter_config.json)
@@ -240,6 +241,7 @@ def _build(recipe: Recipe, runtime, tokenizer, train_ds, eval_ds, micro: int, ou
     from lowmem_tpu.memory.record import run_plan
     from lowmem_tpu.train.guard import GuardCallback
     from lowmem_tpu.train.metrics import JsonlLog, MetricsCallback
+    from lowmem_tpu.train.preference import build_preference_trainer
     from lowmem_tpu.train.progress import ProgressCallback
     from lowmem_tpu.train.trainer import build_trainer
     from lowmem_tpu.xla.sharding import place_parameters
@@ -260,11 +262,14 @@ def _build(recipe: Recipe, runtime, tokenizer, train_ds, eval_ds, micro: int, ou
     metrics = MetricsCallback()
     wall = parse_duration(t.max_wall_time) if t.max_wall_time else None
     guard = GuardCallback(wall, t.loss_spike_factor, say, skip_nonfinite=t.on_nonfinite == "skip")
-    flops = m.flops_per_token(model.config, total, trainable, recipe.data.max_length, recipe.lora.enabled)
+    preference = recipe.data.format == "preference"
+    flops = m.flops_per_token(
+        model.config, total, trainable, recipe.data.max_length, recipe.lora.enabled, reference_pass=preference
+    )
     plan = run_plan(recipe, model.config, runtime.platform, runtime.kind, runtime.num_devices)
     shown = [JsonlLog(recipe.output_dir, runtime), ProgressCallback()] if hosts.is_main() else []
     callbacks = [metrics, guard, *shown]
-    trainer = build_trainer(
+    trainer = (build_preference_trainer if preference else build_trainer)(
         recipe,
         runtime,
         model,
@@ -323,7 +328,11 @@ def _evaluate(job: Job, prompts, label: str) -> dict[str, Any]:
     if trainer.eval_dataset is not None:
         scores = trainer.evaluate()
         result["loss"] = scores.get("eval_loss")
-        result["token_accuracy"] = scores.get("eval_token_accuracy")
+        if "eval_rewards/accuracies" in scores:  # DPO: TRL's own figures on the held-out pairs
+            result["preference_accuracy"] = scores["eval_rewards/accuracies"]
+            result["reward_margin"] = scores["eval_rewards/margins"]
+        else:
+            result["token_accuracy"] = scores.get("eval_token_accuracy")
     if prompts:
         em = greedy_exact_match(
             trainer.fsdp_model,

@@ -2,7 +2,9 @@
 
 Writes into ``lowmem_tpu/assets``:
   tiny-llama/   config.json (a 4-layer Llama) + a character-level tokenizer with a chat template
-  reverse/      train.jsonl and eval.jsonl: "reverse abcde" -> "edcba", in chat format
+  reverse/      train.jsonl and eval.jsonl: "reverse abcde" -> "edcba", in chat format; prefer_train.jsonl and
+                prefer_eval.jsonl: the same prompts as preference pairs (chosen: the reversal; rejected: a near
+                miss: the word as it is, two neighbours swapped, or one letter wrong)
 
     python tools/make_tiny_assets.py           # write them (after changing this file)
     python tools/make_tiny_assets.py --check   # exit 1 naming each shipped file that differs from its build
@@ -100,6 +102,29 @@ def write_dataset(out: Path, n_train: int = 4000, n_eval: int = 200) -> None:
     for name, part in (("train", rows[:n_train]), ("eval", rows[n_train:])):
         lines = (json.dumps(r, separators=(",", ":")) for r in part)
         (out / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
+    rng = random.Random(4321)
+    for name, part in (("prefer_train", rows[: n_train // 2]), ("prefer_eval", rows[n_train:])):
+        lines = (json.dumps(preference_pair(r, rng), separators=(",", ":")) for r in part)
+        (out / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def preference_pair(row: dict, rng: random.Random) -> dict:
+    """A chat sample as a preference pair: its answer chosen, a near miss rejected."""
+    prompt, answer = row["messages"][0], row["messages"][1]["content"]
+    wrong = answer
+    while wrong == answer:
+        kind, at = rng.randrange(3), rng.randrange(WORD_LENGTH - 1)
+        if kind == 0:
+            wrong = answer[::-1]  # not reversed
+        elif kind == 1:
+            wrong = answer[:at] + answer[at + 1] + answer[at] + answer[at + 2 :]
+        else:
+            wrong = answer[:at] + rng.choice(string.ascii_lowercase) + answer[at + 1 :]
+    return {
+        "prompt": [prompt],
+        "chosen": [{"role": "assistant", "content": answer}],
+        "rejected": [{"role": "assistant", "content": wrong}],
+    }
 
 
 def build(assets: Path) -> list[Path]:

@@ -1,4 +1,5 @@
-"""Commands around one recipe: ``validate``, ``show``, ``sft``, ``plot`` (its loss curve), ``memory``, ``compare``."""
+"""Commands around one recipe: ``validate``, ``show``, ``sft``, ``dpo``, ``plot`` (its loss curve), ``memory``,
+``compare``."""
 
 from __future__ import annotations
 
@@ -42,18 +43,41 @@ def show(recipe: RecipeArg = None, overrides: OverridesArg = None) -> None:
     typer.echo(load_args(recipe, overrides).to_yaml(), nl=False)
 
 
+OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace an existing output_dir/final.")]
+ForceResumeOpt = Annotated[
+    bool, typer.Option("--force-resume", help="Resume even if the recipe changed since the checkpoint.")
+]
+
+
 @app.command()
 def sft(
     recipe: RecipeArg = None,
     overrides: OverridesArg = None,
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing output_dir/final.")] = False,
-    force_resume: Annotated[
-        bool, typer.Option("--force-resume", help="Resume even if the recipe changed since the checkpoint.")
-    ] = False,
+    overwrite: OverwriteOpt = False,
+    force_resume: ForceResumeOpt = False,
 ) -> None:
     """Supervised fine-tuning (LoRA or full) with FSDP over every XLA device."""
+    _train("sft", recipe, overrides, overwrite, force_resume)
+
+
+@app.command()
+def dpo(
+    recipe: RecipeArg = None,
+    overrides: OverridesArg = None,
+    overwrite: OverwriteOpt = False,
+    force_resume: ForceResumeOpt = False,
+) -> None:
+    """Preference tuning with TRL's DPOTrainer: LoRA on the FSDP-sharded base, the base as the reference.
+
+    The recipe's data is preference pairs (data.format: preference); its preference section holds beta and
+    the loss."""
+    _train("dpo", recipe, overrides, overwrite, force_resume)
+
+
+def _train(command: str, recipe: str | None, overrides: list[str] | None, overwrite: bool, force_resume: bool) -> None:
+    loaded = load_args(recipe, overrides)
+    _check_method(command, loaded)
     try:
-        loaded = load_args(recipe, overrides)
         from lowmem_tpu.sft import run_sft
 
         run = run_sft(loaded, overwrite=overwrite, force_resume=force_resume)
@@ -74,6 +98,26 @@ def sft(
         ) from None
     if run.stopped in ("SIGTERM", "SIGINT"):
         raise typer.Exit(143 if run.stopped == "SIGTERM" else 130)
+
+
+def _check_method(command: str, recipe: Recipe) -> None:
+    """The data and the command agree: SFT trains on samples, DPO on preference pairs."""
+    pairs = recipe.data.format == "preference"
+    if command == "sft" and pairs:
+        raise UserError(
+            "data.format: preference holds preference pairs, which SFT does not train on: run "
+            "`lowmem-tpu dpo` with this recipe, or give SFT data (text, alpaca, chat, prompt_completion, sharegpt)"
+        )
+    if command == "dpo" and not pairs:
+        raise UserError(
+            f"lowmem-tpu dpo trains on preference pairs and data.format is {recipe.data.format}: set data.format: "
+            "preference with prompt/chosen/rejected data (TRL's preference formats), or run `lowmem-tpu sft`"
+        )
+    if command == "dpo" and not recipe.lora.enabled:
+        raise UserError(
+            "lora.enabled: false: full-parameter DPO needs a frozen copy of the model as its reference, which "
+            "lowmem-tpu does not build; train LoRA adapters (lora.enabled: true): their reference is the base"
+        )
 
 
 @app.command()

@@ -20,6 +20,7 @@ from lowmem_tpu.config.rules import micro_batch_size, parse_duration
 from lowmem_tpu.config.schema import (
     DataSection,
     HubSection,
+    PreferenceSection,
     Recipe,
     RuntimeSection,
     ShardingSection,
@@ -33,6 +34,7 @@ __all__ = [
     "HubSection",
     "LoraSection",
     "ModelSection",
+    "PreferenceSection",
     "Recipe",
     "RecipeError",
     "RuntimeSection",

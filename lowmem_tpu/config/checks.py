@@ -43,6 +43,12 @@ def cross_problems(recipe: Any) -> list[Problem]:
         )
         problems.append((("model.quantize", "lora.enabled"), message))
     lora = recipe.lora
+    if model.adapter and not lora.enabled:
+        message = (
+            "model.adapter: a LoRA adapter is trained further as LoRA, but lora.enabled is false; "
+            "set lora.enabled: true, or merge the adapter first (lowmem-tpu merge) and fine-tune the merged model"
+        )
+        problems.append((("model.adapter", "lora.enabled"), message))
     if lora.enabled and model.quantize != "none" and lora.use_dora:
         message = (
             f"lora.use_dora: PEFT's DoRA takes each adapted layer's weight as stored to compute its norm, and the "

@@ -31,6 +31,11 @@ class ModelSection(Section):
     random_init: bool = Field(
         False, description="Build the model from its config with random weights (nothing downloaded)."
     )
+    adapter: str | None = Field(
+        None,
+        description="A trained LoRA adapter to start from (a run's final/, a PEFT adapter directory or Hub id): "
+        "its own LoRA settings replace lora.*; with lowmem-tpu dpo a frozen copy of it is the reference.",
+    )
     tokenizer: str | None = Field(None, description="Tokenizer path or Hub id; defaults to name_or_path.")
     use_fast_tokenizer: bool = Field(True, description="Fast (Rust) tokenizer; Open Llama asks for the slow one.")
     pad_token: str | None = Field(
@@ -74,7 +79,7 @@ class ModelSection(Section):
     def _no_quantize(cls, value: Any) -> Any:
         return "none" if value is None or value is False else value
 
-    @field_validator("name_or_path", "tokenizer")
+    @field_validator("name_or_path", "tokenizer", "adapter")
     @classmethod
     def _exists(cls, value: str | None) -> str | None:
         return None if value is None else check_source(value, "model")

@@ -1,6 +1,6 @@
 """The recipe schema: one validated, frozen description of a fine-tuning run.
 
-Sections (``model``, ``lora``, ``data``, ``sharding``, ``runtime``, ``train``, ``hub``) plus
+Sections (``model``, ``lora``, ``data``, ``sharding``, ``runtime``, ``train``, ``preference``, ``hub``) plus
 top-level ``output_dir`` and ``extends``. Every field has a description (they feed ``--help``,
 ``show`` and docs/recipes.md); unknown keys are errors. Nothing here imports torch.
 """
@@ -28,7 +28,13 @@ FORMAT_FIELDS: dict[str, tuple[str, ...]] = {
     "chat": ("messages",),
     "prompt_completion": ("prompt", "completion"),
     "sharegpt": ("conversations",),
+    "preference": ("prompt", "chosen", "rejected"),
 }
+# TRL's DPO losses (DPOConfig.loss_type, trl 1.16), each computed by TRL's DPOTrainer.
+DPO_LOSSES = (
+    "sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot", "aot_unpaired",
+    "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm",
+)  # fmt: skip
 
 
 class DataSection(Section):
@@ -54,11 +60,12 @@ class DataSection(Section):
         description="Chat template for format chat: plain or chatml (shipped), or a Jinja file "
         "(default: the tokenizer's own, else plain). Saved with the tokenizer in final/.",
     )
-    format: Literal["text", "alpaca", "chat", "prompt_completion", "sharegpt"] = Field(
+    format: Literal["text", "alpaca", "chat", "prompt_completion", "sharegpt", "preference"] = Field(
         "chat",
         description="text: a text column; alpaca: instruction/input/output; chat: messages of role/content; "
         "prompt_completion: TRL's prompt/completion (strings, or lists of messages); sharegpt: conversations "
-        "of from/value turns.",
+        "of from/value turns; preference (lowmem-tpu dpo): TRL's prompt/chosen/rejected (strings, or lists "
+        "of messages; without prompt, chosen and rejected share it).",
     )
     columns: dict[str, str] = Field(
         default_factory=dict,
@@ -80,7 +87,9 @@ class DataSection(Section):
     )
     max_samples: int | None = Field(None, gt=0, description="Use at most this many training samples.")
     too_long: Literal["truncate", "drop", "error"] = Field(
-        "truncate", description="What to do with samples longer than max_length."
+        "truncate",
+        description="What to do with samples longer than max_length (preference pairs: truncate cuts the "
+        "prompt from the left first).",
     )
 
     @field_validator("path", "eval_path")
@@ -262,6 +271,26 @@ def uses_master_weights(recipe: Recipe) -> bool:
     return recipe.model.dtype == "bfloat16" and (not recipe.lora.enabled or recipe.lora.dtype == "model")
 
 
+class PreferenceSection(Section):
+    """Preference tuning (``lowmem-tpu dpo``, data.format: preference): TRL's DPOTrainer and its losses.
+
+    The reference is the policy with its adapters switched off (LoRA from fresh adapters: one model, no copy)
+    or a frozen copy of the adapter it starts from (``model.adapter``)."""
+
+    beta: float = Field(0.1, gt=0, description="How far from the reference the policy may move (TRL's beta).")
+    loss_type: list[Literal[DPO_LOSSES]] = Field(  # type: ignore[valid-type]
+        default_factory=lambda: ["sigmoid"],
+        min_length=1,
+        description="TRL's DPO loss(es): sigmoid (DPO), ipo, hinge, robust, apo_zero, sft (with sigmoid: RPO) ...",
+    )
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="Label smoothing (robust, exo_pair, aot losses).")
+
+    @field_validator("loss_type", mode="before")
+    @classmethod
+    def _one_or_more(cls, value: object) -> object:
+        return [value] if isinstance(value, str) else value
+
+
 class HubSection(Section):
     """Pushing the result to the Hugging Face Hub."""
 
@@ -281,6 +310,7 @@ class Recipe(Section):
     sharding: ShardingSection = Field(default_factory=ShardingSection)
     runtime: RuntimeSection = Field(default_factory=RuntimeSection)
     train: TrainSection = Field(default_factory=TrainSection)
+    preference: PreferenceSection = Field(default_factory=PreferenceSection)
     hub: HubSection = Field(default_factory=HubSection)
 
     @model_validator(mode="after")

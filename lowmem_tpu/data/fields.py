@@ -16,7 +16,7 @@ from lowmem_tpu.data.loading import DataError
 if TYPE_CHECKING:
     import datasets
 
-OPTIONAL = {("alpaca", "input")}
+OPTIONAL = {("alpaca", "input"), ("preference", "prompt")}  # a preference prompt may be implicit
 # ShareGPT speakers as chat roles: FastChat's human/gpt, and the names other exports use.
 SHAREGPT_ROLES = {
     "human": "user",
@@ -80,7 +80,7 @@ def string(record: dict[str, Any], cfg: DataSection, field: str, where: str) -> 
     if value is None and (cfg.format, field) in OPTIONAL:
         return ""
     if not isinstance(value, str):
-        raise DataError(f"{where}: column {name!r} ({cfg.format} {field}) must be a string, not {_show(value)}; {FIX}")
+        raise DataError(f"{where}: column {name!r} ({cfg.format} {field}) must be a string, not {show(value)}; {FIX}")
     return value
 
 
@@ -93,18 +93,22 @@ def messages(record: dict[str, Any], cfg: DataSection, field: str, where: str) -
     """A conversation as [{role, content}] from ``field`` (chat, a conversational prompt or completion) or
     from ShareGPT turns (``{from, value}``; ``{role, content}`` turns are read as they are)."""
     name = column(cfg, field)
-    value = record.get(name)
-    problem = f"{where}: column {name!r} must be a non-empty list of {{role, content}} messages"
-    if cfg.format == "sharegpt":
-        problem = f"{where}: column {name!r} must be a non-empty list of {{from, value}} turns"
+    return as_messages(record.get(name), f"{where}: column {name!r}", sharegpt=cfg.format == "sharegpt")
+
+
+def as_messages(value: Any, what: str, sharegpt: bool = False) -> list[dict[str, str]]:
+    """``value`` as [{role, content}] (``what`` names it in the error: record and column)."""
+    problem = f"{what} must be a non-empty list of {{role, content}} messages"
+    if sharegpt:
+        problem = f"{what} must be a non-empty list of {{from, value}} turns"
     if not isinstance(value, list) or not value:
-        raise DataError(f"{problem}, not {_show(value)}; {FIX}")
+        raise DataError(f"{problem}, not {show(value)}; {FIX}")
     return [_message(turn, problem) for turn in value]
 
 
 def _message(turn: Any, problem: str) -> dict[str, str]:
     if not isinstance(turn, dict):
-        raise DataError(f"{problem}; got {_show(turn)}; {FIX}")
+        raise DataError(f"{problem}; got {show(turn)}; {FIX}")
     turn = {key: item for key, item in turn.items() if item is not None}  # datasets fills absent keys with None
     if "from" in turn:
         speaker = turn["from"]
@@ -114,7 +118,7 @@ def _message(turn: Any, problem: str) -> dict[str, str]:
             raise DataError(f"{problem}; unknown speaker {speaker!r} (known: {known}); {FIX}")
         turn = {"role": role, "content": turn.get("value")}
     if not isinstance(turn.get("role"), str):
-        raise DataError(f"{problem}; got {_show(turn)}; {FIX}")
+        raise DataError(f"{problem}; got {show(turn)}; {FIX}")
     if not isinstance(turn.get("content"), str):
         raise DataError(f"{problem}; a {turn['role']} message has no string content; {FIX}")
     return turn
@@ -125,5 +129,5 @@ def conversation(record: dict[str, Any], cfg: DataSection, where: str) -> list[d
     return messages(record, cfg, "conversations" if cfg.format == "sharegpt" else "messages", where)
 
 
-def _show(value: Any) -> str:
+def show(value: Any) -> str:
     return f"{type(value).__name__} {value!r:.60}" if value is not None else "missing or null"

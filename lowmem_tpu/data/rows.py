@@ -29,6 +29,7 @@ from lowmem_tpu.data.formats import (
     require_columns,
 )
 from lowmem_tpu.data.loading import DataError
+from lowmem_tpu.data.preference import preference_prompts, preference_rows
 from lowmem_tpu.data.splits import Role, select_records
 
 if TYPE_CHECKING:
@@ -87,7 +88,7 @@ def build_dataset(
     key = cache.cache_key(records._fingerprint, tokenizer, settings)
     found = cache.load(cache_dir, key)
     if found is None:
-        arrays, stats = _rows(records, cfg, tokenizer, source)
+        arrays, stats = (preference_rows if cfg.format == "preference" else _rows)(records, cfg, tokenizer, source)
         cache.save(cache_dir, key, arrays, stats)
     else:
         arrays, stats = found
@@ -114,6 +115,9 @@ def exact_match_prompts(
     """The first ``n`` held-out records (``path``: of that file) as (prompt token ids, expected answer)."""
     check_tokenizer(tokenizer, cfg)
     records, source = select_records(cfg, "eval", path=path, split=split or cfg.eval_split)
+    if cfg.format == "preference":
+        require_columns(records, cfg, source)
+        return preference_prompts(records, cfg, tokenizer, source, n)
     return prompt_answer_pairs(records, cfg, tokenizer, source, n)
 
 

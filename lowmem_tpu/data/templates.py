@@ -25,7 +25,8 @@ def template_text(value: str) -> str:
 
 
 def set_chat_template(tokenizer: Any, cfg: DataSection) -> str | None:
-    """Give the tokenizer ``data.chat_template``; for chat (or ShareGPT) data without one, the shipped plain one.
+    """Give the tokenizer ``data.chat_template``; for chat, ShareGPT or preference data (often conversations)
+    without one, the shipped plain one.
 
     Returns a line saying what was chosen (None when the tokenizer's own template is used as it is). The
     template is saved with the tokenizer in ``final/``, so generation and serving render prompts exactly as
@@ -36,7 +37,7 @@ def set_chat_template(tokenizer: Any, cfg: DataSection) -> str | None:
     if cfg.chat_template:
         tokenizer.chat_template = template_text(cfg.chat_template)
         said = f"chat template: {cfg.chat_template}"
-    elif cfg.format in ("chat", "sharegpt") and not getattr(tokenizer, "chat_template", None):
+    elif cfg.format in ("chat", "sharegpt", "preference") and not getattr(tokenizer, "chat_template", None):
         tokenizer.chat_template = template_text("plain")
         said = "the tokenizer has no chat template: using the shipped plain one (data.chat_template chooses another)"
     if isinstance(getattr(tokenizer, "chat_template", None), str) and not _writes_bos(tokenizer):

@@ -130,7 +130,9 @@ def count_parameters(model: Any) -> tuple[int, int]:
     return trainable, logical_parameters(model)
 
 
-def flops_per_token(config: Any, total: int, trainable: int, seq_len: int, lora: bool) -> float:
+def flops_per_token(
+    config: Any, total: int, trainable: int, seq_len: int, lora: bool, reference_pass: bool = False
+) -> float:
     """Training FLOPs per token, counting LoRA's cheaper backward honestly.
 
     Forward: 2 per weight, plus attention's two matmuls (scores and the weighted sum of values:
@@ -138,7 +140,7 @@ def flops_per_token(config: Any, total: int, trainable: int, seq_len: int, lora:
     twice the forward for both: gradients of the activations (2 per weight) and of the weights (2 per
     *trainable* weight: a frozen base skips those), and attention's backward is two matmuls per
     forward matmul whether or not anything trains. Recomputation by checkpointing is not counted
-    (model FLOPs, not hardware FLOPs).
+    (model FLOPs, not hardware FLOPs). ``reference_pass``: one more forward (DPO's reference log-probs).
     """
     config = text_config(config)  # a multimodal model's: its text decoder's
     layers, hidden = config.num_hidden_layers, config.hidden_size
@@ -147,4 +149,4 @@ def flops_per_token(config: Any, total: int, trainable: int, seq_len: int, lora:
     trained = trainable - (0 if lora else embedding)
     attention = 4 * layers * hidden * seq_len
     forward = 2 * dense + attention
-    return forward + (2 * dense + 2 * attention) + 2 * trained
+    return forward * (2 if reference_pass else 1) + (2 * dense + 2 * attention) + 2 * trained

@@ -24,6 +24,8 @@ def apply_lora(model: Any, recipe: Recipe, weightless: bool = False) -> Any:
     from peft import LoraConfig, get_peft_model
 
     lora = recipe.lora
+    if recipe.model.adapter:
+        return _from_adapter(model, recipe, weightless)
     config = LoraConfig(
         r=lora.r,
         lora_alpha=lora.alpha,
@@ -50,6 +52,27 @@ def apply_lora(model: Any, recipe: Recipe, weightless: bool = False) -> Any:
 
         state = get_peft_model_state_dict(peft)
         peft.initial_adapter = {k: v.detach().cpu().clone() for k, v in state.items() if ".lora_" in k}
+    return peft
+
+
+def _from_adapter(model: Any, recipe: Recipe, weightless: bool) -> Any:
+    """The base with ``model.adapter`` on it, trainable, its own LoRA settings kept (weightless: its shapes,
+    fresh values)."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    source, autocast = recipe.model.adapter, recipe.lora.dtype == "float32"
+    try:
+        if weightless:
+            peft = get_peft_model(model, LoraConfig.from_pretrained(source), autocast_adapter_dtype=autocast)
+        else:
+            peft = PeftModel.from_pretrained(model, source, is_trainable=True, autocast_adapter_dtype=autocast)
+    except (OSError, ValueError, KeyError) as err:
+        raise UserError(
+            f"model.adapter: {source} could not be loaded on {recipe.model.name_or_path} ({err}); give a run's "
+            "final/ or a PEFT LoRA adapter made for this base"
+        ) from None
+    if recipe.lora.dtype == "model":
+        in_base_dtype(peft, model_dtype(recipe))
     return peft
 
 

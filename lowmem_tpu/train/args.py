@@ -1,8 +1,11 @@
-"""The recipe as TRL's ``SFTConfig``, for the XLA FSDPv2 path (wrapping, checkpointing and the loss are ours)."""
+"""The recipe as TRL's ``SFTConfig`` or ``DPOConfig``, for the XLA FSDPv2 path (wrapping and
+checkpointing are ours)."""
 
 from __future__ import annotations
 
-from trl import SFTConfig
+from typing import Any
+
+from trl import DPOConfig, SFTConfig
 
 from lowmem_tpu import hosts
 from lowmem_tpu.config import Recipe
@@ -11,9 +14,32 @@ OPTIMIZERS = {"adamw": "adamw_torch", "adafactor": "adafactor"}  # trap ``fused-
 
 
 def training_args(recipe: Recipe, micro_batch: int) -> SFTConfig:
-    """SFTConfig for the XLA FSDPv2 path (checkpointing and wrapping are ours)."""
-    t = recipe.train
+    """SFTConfig for the XLA FSDPv2 path (checkpointing, wrapping and the loss are ours)."""
     return SFTConfig(
+        **_shared(recipe, micro_batch),
+        dataset_kwargs={"skip_prepare_dataset": True},
+        max_length=recipe.data.max_length,
+        packing=False,
+    )
+
+
+def preference_args(recipe: Recipe, micro_batch: int) -> DPOConfig:
+    """DPOConfig for the XLA FSDPv2 path: TRL's loss with the recipe's ``preference`` section; the rows
+    come ready (``lowmem_tpu.data.preference``), so TRL's truncation never applies."""
+    p = recipe.preference
+    return DPOConfig(
+        **_shared(recipe, micro_batch),
+        beta=p.beta,
+        loss_type=list(p.loss_type),
+        label_smoothing=p.label_smoothing,
+        max_length=None,
+        disable_dropout=True,
+    )
+
+
+def _shared(recipe: Recipe, micro_batch: int) -> dict[str, Any]:
+    t = recipe.train
+    return dict(
         output_dir=recipe.output_dir,
         max_steps=t.max_steps,
         per_device_train_batch_size=micro_batch,  # one SPMD process: "per device" is the whole micro-batch
@@ -38,11 +64,8 @@ def training_args(recipe: Recipe, micro_batch: int) -> SFTConfig:
         gradient_checkpointing=False,  # trap ``gradient-checkpointing``: torch_xla's, in xla.sharding
         fsdp=["full_shard"],  # trap ``fsdp-string``
         fsdp_config={"xla": True, "xla_fsdp_v2": True, "xla_fsdp_grad_ckpt": False},
-        dataset_kwargs={"skip_prepare_dataset": True},
         remove_unused_columns=False,
         dataloader_pin_memory=False,  # nothing to pin for XLA; torchax (scan_layers) breaks pinning
         dataloader_drop_last=True,  # a short last batch would be a new shape, hence a recompilation
         disable_tqdm=True,
-        max_length=recipe.data.max_length,
-        packing=False,
     )

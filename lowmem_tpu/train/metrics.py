@@ -117,7 +117,9 @@ class DeviceMetrics:
 
     def zeros(self, mode: str) -> list[torch.Tensor]:
         """Every running sum, ``mode``'s not started yet started at 0 (step 1 as step 2 has them: ``train.steady``)."""
-        for key in RUNNING:
+        # DPO's token accuracy is TRL's own (mean_token_accuracy), not counted here
+        running = RUNNING[:2] if self.recipe.data.format == "preference" else RUNNING
+        for key in running:
             self.totals.setdefault(f"{mode}/{key}", torch.zeros((), device=self.runtime.device))
         return list(self.totals.values())
 
@@ -136,7 +138,9 @@ class DeviceMetrics:
             return {}
         for name in [n for n in self.totals if n.startswith("eval/")]:
             del self.totals[name]  # each evaluation reports its own figures
-        return {"eval_token_accuracy": totals["correct"] / max(totals["label_tokens"], 1)}
+        return (
+            {"eval_token_accuracy": totals["correct"] / max(totals["label_tokens"], 1)} if "correct" in totals else {}
+        )
 
     def _throughput(self, totals: dict[str, float], step: int) -> dict[str, float]:
         now = time.perf_counter()
@@ -146,7 +150,7 @@ class DeviceMetrics:
         self._last_log = (now, totals | {"step": step})
         steps = step - previous["step"]
         delta = {k: totals[k] - previous.get(k, 0.0) for k in totals}
-        out = {"token_accuracy": delta["correct"] / max(delta["label_tokens"], 1)}
+        out = {"token_accuracy": delta["correct"] / max(delta["label_tokens"], 1)} if "correct" in delta else {}
         if steps and now > previous_time:
             seconds = now - previous_time
             out |= {
@@ -156,7 +160,8 @@ class DeviceMetrics:
             }
             if self.runtime.peak_flops and self.flops_per_token:
                 # Padding tokens are computed too: count every position, not only real tokens.
-                positions = steps * self.recipe.train.global_batch_size * self.recipe.data.max_length
+                rows = 2 if self.recipe.data.format == "preference" else 1  # DPO: chosen and rejected
+                positions = steps * self.recipe.train.global_batch_size * rows * self.recipe.data.max_length
                 achieved = positions * self.flops_per_token / seconds / self.runtime.num_devices
                 out["mfu"] = achieved / self.runtime.peak_flops
         return out
