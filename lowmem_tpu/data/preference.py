@@ -185,15 +185,18 @@ def preference_rows(records: datasets.Dataset, cfg: DataSection, tokenizer: Any,
 
 def collate_pairs(rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
     """TRL's preference batch at a static shape: ``[2 x batch, max_length]``, every chosen row first, then
-    every rejected row in the same order (``DataCollatorForPreference``'s layout), as LongTensors."""
+    every rejected row in the same order (``DataCollatorForPreference``'s layout), as LongTensors; under
+    ``host`` the same as numpy arrays."""
     import torch
 
     if not rows:
         raise ValueError("collate_pairs needs at least one row")
-    batch = {}
+    batch: dict[str, Any] = {}
     for key in PAIR_COLUMNS:
         stacked = torch.stack([torch.as_tensor(row[key], dtype=torch.long) for row in rows])  # [batch, 2, length]
         batch[key] = stacked.transpose(0, 1).reshape(-1, stacked.shape[-1])
+    # The same rows kept on the host (numpy: the device loader moves only tensors), where TRL's loss runs
+    batch["host"] = {key: value.numpy() for key, value in batch.items()}
     return batch
 
 

@@ -8,11 +8,13 @@ The reference is the same model: with fresh adapters (B = 0) the policy with its
 so the frozen sharded base serves both and no copy is made; starting from a trained adapter
 (``model.adapter``), TRL's frozen copy of it (the ``ref`` adapter).
 
-Trap ``dpo-metrics``: TRL reads each metric with ``.item()`` inside the loss. On XLA each read runs the
-graph that makes that value, and without a cut that graph is the whole forward pass, again for every
-metric. The model's outputs are made device data as the forward pass ends (a sync: one program for the
-forward passes, a few tiny ones that read the metrics, one for the backward pass and the update), so
-each read moves a scalar. Every one of those programs has a static shape: none compiles after warm-up.
+Trap ``dpo-on-the-host``: TRL's loss reads every metric with ``.item()`` and sums some through boolean
+masks. On XLA each read runs the graph that makes the value (the whole forward pass again), and a masked
+sum has a shape that depends on the data (a compile per batch). So TRL's ``_compute_loss`` runs unchanged
+on host tensors: the model it calls (:class:`OnDevice`) runs the forward pass on the devices, makes every
+live tensor device data, and hands back host copies of its outputs; the loss's gradient flows back to the
+devices through those copies. The devices run three programs of static shape per micro-batch (the policy's
+forward pass, the reference's, the backward pass); the host computes TRL's loss and metrics in between.
 """
 
 from __future__ import annotations
@@ -30,14 +32,13 @@ from lowmem_tpu.xla import runtime as rt
 
 
 class XlaDPOTrainer(XlaTrainerMixin, DPOTrainer):
-    """DPOTrainer with the XLA glue: static preference batches, TRL's loss, metrics read after a cut."""
+    """DPOTrainer with the XLA glue: static preference batches, TRL's loss and metrics on the host."""
 
     def __init__(self, *, fresh_adapters: bool = True, **kwargs: Any):
         super().__init__(data_collator=collate_pairs, **kwargs)
         self.policy = self.model  # the PEFT model (transformers' FSDP path makes self.model the wrapper)
         if fresh_adapters and "ref" in getattr(self.policy, "peft_config", {}):
             self.policy.delete_adapter("ref")  # B = 0: the reference is the base, adapters switched off
-        self.policy.register_forward_hook(_made_device_data)
 
     def _prepare_dataset(self, dataset: Any, *args: Any, **kwargs: Any) -> Any:
         return dataset  # rows made by lowmem_tpu.data.preference
@@ -47,13 +48,19 @@ class XlaDPOTrainer(XlaTrainerMixin, DPOTrainer):
 
     def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any], return_outputs: bool = False, **kwargs):
         mode = "train" if model.training else "eval"
-        completions = inputs["completion_mask"][:, 1:]
-        self.device_metrics.add(mode, tokens=inputs["attention_mask"].sum(), label_tokens=completions.sum())
-        wrapper, self.model = self.model, self.policy  # TRL finds the adapters to switch off on self.model
+        self.device_metrics.add(
+            mode, tokens=inputs["attention_mask"].sum(), label_tokens=inputs["completion_mask"][:, 1:].sum()
+        )
+        host = {key: torch.from_numpy(value) for key, value in inputs["host"].items()}  # trap ``dpo-on-the-host``
+        policy = OnDevice(model, inputs, self.runtime)
+        reference = OnDevice(model, inputs, self.runtime, adapters=self.policy, reference=True)
+        wrapper, self.model, self.ref_model = self.model, policy, reference
         try:
-            return DPOTrainer.compute_loss(self, model, inputs, return_outputs)
+            result = DPOTrainer.compute_loss(self, policy, host, return_outputs)
         finally:
-            self.model = wrapper
+            self.model, self.ref_model = wrapper, None
+        device = inputs["input_ids"].device  # the Trainer's backward starts on the devices
+        return (result[0].to(device), result[1]) if return_outputs else result.to(device)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         mode = "eval" if any(k.startswith("eval_") for k in logs) else "train"
@@ -61,9 +68,43 @@ class XlaDPOTrainer(XlaTrainerMixin, DPOTrainer):
         DPOTrainer.log(self, logs, start_time)  # TRL's: the rewards, margins and accuracies it averaged
 
 
-def _made_device_data(module: torch.nn.Module, args: Any, output: Any) -> Any:
-    rt.sync()  # trap ``dpo-metrics``
-    return output
+class OnDevice(torch.nn.Module):
+    """The model as TRL's loss calls it (trap ``dpo-on-the-host``): the forward pass on the devices, on the
+    micro-batch they hold; host copies of its outputs back, differentiable.
+
+    ``reference``: the policy's adapters switched off (fresh adapters: the base), or TRL's frozen ``ref``
+    adapter where it keeps one (a run that starts from a trained adapter), as TRL's own reference pass."""
+
+    def __init__(self, model: torch.nn.Module, inputs: dict[str, Any], runtime: rt.Runtime, **reference: Any):
+        super().__init__()
+        self.train(model.training)
+        # Held outside nn.Module's registry: this view owns nothing and lives for one micro-batch.
+        vars(self).update(wrapped=model, inputs=inputs, runtime=runtime, adapters=reference.get("adapters"))
+
+    def forward(self, *, labels: torch.Tensor, **kwargs: Any) -> Any:
+        from lowmem_tpu.xla.sharding import replicate
+
+        device = self.inputs["input_ids"].device
+        batch = {key: self.inputs[key] for key in ("input_ids", "attention_mask")}
+        with self._reference():
+            outputs = self.wrapped(**batch, labels=labels.to(device), use_cache=False, fused_lm_head=True)
+        for value in outputs.values():
+            replicate(value, self.runtime.mesh)  # a replicated tensor comes to the host without a compile
+        rt.sync()  # every live tensor device data: the backward pass reads them, nothing is run twice
+        return type(outputs)(**{key: value.to("cpu") for key, value in outputs.items()})
+
+    def _reference(self) -> Any:
+        import contextlib
+
+        if self.adapters is None:
+            return contextlib.nullcontext()
+        from trl.trainer.utils import use_adapter
+
+        return use_adapter(self.adapters, "ref" if "ref" in self.adapters.peft_config else None)
+
+    is_gradient_checkpointing = (
+        False  # torch_xla's checkpointing is in the wrapped layers (trap ``gradient-checkpointing``)
+    )
 
 
 def build_preference_trainer(
