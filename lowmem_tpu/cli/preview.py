@@ -44,7 +44,7 @@ def data(
         report = {"source": source, "format": cfg.format, "max_length": cfg.max_length, "chat_template": chosen}
         typer.echo(json.dumps(report | {"stats": stats, "rows": shown}, indent=2))
         return
-    _print_counts(stats, cfg.max_length)
+    _print_counts(stats, cfg.max_length, "pairs of rows" if cfg.format == "preference" else "rows")
 
 
 def _print_rows(source: str, fmt: str, length: int, chosen: str | None, shown: list[dict], color: bool) -> None:
@@ -54,21 +54,24 @@ def _print_rows(source: str, fmt: str, length: int, chosen: str | None, shown: l
         typer.echo(chosen)
     typer.echo(f"trained tokens are shown {mark}; the rest is masked (seen, not learned)")
     for row in shown:
-        typer.echo(f"\n--- record {row['record']}: {row['tokens']} tokens, {row['trained']} trained; {row['fate']}")
+        side = f" ({row['side']})" if row["side"] else ""
+        typer.echo(
+            f"\n--- record {row['record']}{side}: {row['tokens']} tokens, {row['trained']} trained; {row['fate']}"
+        )
         typer.echo("".join(_span(trained, text, color) for trained, text in row["spans"]))
 
 
-def _print_counts(s: dict[str, Any], length: int) -> None:
+def _print_counts(s: dict[str, Any], length: int, rows: str) -> None:
     from lowmem_tpu.data.rows import describe_cuts
 
     lengths = s["lengths"]
     typer.echo(
-        f"all {s['samples']:,} records -> {s['rows']:,} rows of {length} tokens: {describe_cuts(s)}; "
+        f"all {s['samples']:,} records -> {s['rows']:,} {rows} of {length} tokens: {describe_cuts(s)}; "
         f"tokens per record: median {lengths['p50']}, p90 {lengths['p90']}, p99 {lengths['p99']}, "
         f"longest {lengths['max']}; {s['trained_tokens']:,} of {s['tokens']:,} tokens trained"
     )
     if s["rows"]:
-        fill = s["tokens"] / (s["rows"] * length)
+        fill = s["tokens"] / (s["rows"] * length * (2 if rows == "pairs of rows" else 1))
         typer.echo(f"rows {fill:.1%} full (real tokens over positions: `memory --compile --fill {fill:.2f}`)")
 
 

@@ -17,12 +17,13 @@ from lowmem_tpu.errors import UserError
 
 @dataclass(frozen=True)
 class ShippedRecipe:
-    """A shipped recipe: its name, file, first header line and ``runtime.target``."""
+    """A shipped recipe: its name, file, first header line, ``runtime.target`` and command (sft or dpo)."""
 
     name: str
     path: Path
     purpose: str
     target: str | None
+    command: str = "sft"
 
 
 def _chain(path: Path) -> list[Path]:
@@ -43,8 +44,9 @@ def describe_shipped() -> list[ShippedRecipe]:
     out = []
     for name, path in shipped_recipes().items():
         header = next((line[1:].strip() for line in path.read_text().splitlines() if line.startswith("#")), "")
-        target = read_recipe_file(path).get("runtime", {}).get("target")
-        out.append(ShippedRecipe(name, path, header, target))
+        data = read_recipe_file(path)
+        command = "dpo" if data.get("data", {}).get("format") == "preference" else "sft"
+        out.append(ShippedRecipe(name, path, header, data.get("runtime", {}).get("target"), command))
     return out
 
 

@@ -131,3 +131,11 @@ def _check_json(file: Path) -> None:
             raise DataError(f"{file}: item {index} of the array is a JSON {type(record).__name__}, not an object")
     if not records:
         raise DataError(f"{file} holds no records")
+
+
+def length_percentiles(lengths: list[int]) -> dict[str, int]:
+    """Tokens per sample before cutting: the median, 90th and 99th percentiles and the longest."""
+    import numpy as np
+
+    p50, p90, p99 = (int(np.percentile(lengths, q, method="higher")) for q in (50, 90, 99))
+    return {"p50": p50, "p90": p90, "p99": p99, "max": max(lengths)}

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import lowmem_tpu.data.fields as fields
 from lowmem_tpu.config import DataSection
 from lowmem_tpu.data.chat import bos_ids, common_prefix, render
-from lowmem_tpu.data.loading import DataError
+from lowmem_tpu.data.loading import DataError, length_percentiles
 
 if TYPE_CHECKING:
     import datasets
@@ -125,7 +125,7 @@ def fit_pairs(pairs: list[Pair], cfg: DataSection, source: str) -> tuple[list[Pa
                 f"{source}: record {index}: prompt + completion is {len(prompt) + longest} tokens, longer than "
                 f"data.max_length={limit}; {fix} or truncate"
             )
-        kept.append(_truncated(prompt, chosen, rejected, limit))
+        kept.append(truncated_pair(prompt, chosen, rejected, limit))
         truncated += 1
     if not kept:
         raise DataError(
@@ -133,10 +133,10 @@ def fit_pairs(pairs: list[Pair], cfg: DataSection, source: str) -> tuple[list[Pa
         )
     lengths = [len(p) + max(len(c), len(r)) for p, c, r in pairs]
     counts = {"truncated": truncated, "dropped": dropped, "dropped_too_long": dropped, "dropped_untrained": 0}
-    return kept, counts | {"longest": max(lengths), "lengths": _percentiles(lengths)}
+    return kept, counts | {"longest": max(lengths), "lengths": length_percentiles(lengths)}
 
 
-def _truncated(prompt: list[int], chosen: list[int], rejected: list[int], limit: int) -> Pair:
+def truncated_pair(prompt: list[int], chosen: list[int], rejected: list[int], limit: int) -> Pair:
     """The prompt cut from the left (down to half the row at most, its first token kept), then the
     completions from the right."""
     longest = max(len(chosen), len(rejected))
@@ -145,12 +145,6 @@ def _truncated(prompt: list[int], chosen: list[int], rejected: list[int], limit:
         prompt = prompt[:1] + prompt[len(prompt) - keep + 1 :]
     room = limit - len(prompt)
     return prompt, chosen[:room], rejected[:room]
-
-
-def _percentiles(lengths: list[int]) -> dict[str, int]:
-    from lowmem_tpu.data.rows import length_percentiles
-
-    return length_percentiles(lengths)
 
 
 def pair_rows(pairs: list[Pair], length: int, pad_id: int) -> dict[str, np.ndarray]:

@@ -1,6 +1,7 @@
 """``lowmem-tpu data``: the first records as the model will see them, before paying for a run.
 
-Each record is formatted and tokenized exactly as training does (``formats.encode_records``), then
+Each record is formatted and tokenized exactly as training does (``formats.encode_records``; a preference
+pair as its two rows, ``preference.encode_pairs``), then
 decoded back in spans: the tokens that are trained and the ones that are masked. The whole data set
 goes through ``rows.build_dataset`` for the counts (truncated, dropped, lengths), into the run's own
 tokenization cache, so the ``sft`` that follows reads the rows instead of tokenizing them again.
@@ -14,6 +15,7 @@ from typing import Any
 
 from lowmem_tpu.config import DataSection
 from lowmem_tpu.data.formats import IGNORE_INDEX, check_tokenizer, encode_records, require_columns
+from lowmem_tpu.data.preference import Pair, encode_pairs, truncated_pair
 from lowmem_tpu.data.rows import build_dataset
 from lowmem_tpu.data.splits import select_records
 
@@ -27,6 +29,7 @@ class Shown:
     trained: int
     fate: str  # fits, truncated, dropped: too long, dropped: nothing to train
     spans: list[tuple[bool, str]] = field(default_factory=list)  # (trained, text), in order
+    side: str = ""  # preference pairs: chosen or rejected (each record is shown as its two rows)
 
     @property
     def text(self) -> str:
@@ -39,8 +42,12 @@ def first_records(cfg: DataSection, tokenizer: Any, rows: int) -> tuple[str, lis
     records, source = select_records(cfg, "train")
     require_columns(records, cfg, source)
     first = records.select(range(min(rows, len(records))))
-    samples = encode_records(first, cfg, tokenizer, source)
-    shown = [_show(i, ids, labels, cfg, tokenizer) for i, (ids, labels) in enumerate(samples, 1)]
+    if cfg.format == "preference":
+        pairs = encode_pairs(first, cfg, tokenizer, source)
+        shown = [row for i, pair in enumerate(pairs, 1) for row in _show_pair(i, pair, cfg, tokenizer)]
+    else:
+        samples = encode_records(first, cfg, tokenizer, source)
+        shown = [_show(i, ids, labels, cfg, tokenizer) for i, (ids, labels) in enumerate(samples, 1)]
     return source, [asdict(s) | {"text": s.text} for s in shown]
 
 
@@ -63,6 +70,26 @@ def _show(index: int, ids: Any, labels: Any, cfg: DataSection, tokenizer: Any) -
     else:
         fate = f"truncated: {length - limit} tokens cut" if length > limit else "fits"
     return Shown(index, length, trained, fate, _spans(ids, labels, tokenizer))
+
+
+def _show_pair(index: int, pair: Pair, cfg: DataSection, tokenizer: Any) -> list[Shown]:
+    """A preference record as its two rows (prompt + chosen, prompt + rejected), cut as training cuts them."""
+    prompt, chosen, rejected = pair
+    length, limit = len(prompt) + max(len(chosen), len(rejected)), cfg.max_length
+    fate = "fits"
+    if length > limit and cfg.too_long == "drop":
+        fate = f"dropped: longer than max_length {limit}"
+    elif length > limit and len(prompt) >= limit:
+        fate = f"stops the run: the prompt alone is {len(prompt)} tokens (data.too_long: drop leaves it out)"
+    elif length > limit:
+        cut = truncated_pair(prompt, chosen, rejected, limit)
+        fate = f"truncated: {len(prompt) - len(cut[0])} prompt tokens cut from the left"
+        prompt, chosen, rejected = cut
+    shown = []
+    for side, completion in (("chosen", chosen), ("rejected", rejected)):
+        ids, labels = prompt + completion, [IGNORE_INDEX] * len(prompt) + completion
+        shown.append(Shown(index, len(ids), len(completion), fate, _spans(ids, labels, tokenizer), side))
+    return shown
 
 
 def _spans(ids: list[int], labels: list[int], tokenizer: Any) -> list[tuple[bool, str]]:

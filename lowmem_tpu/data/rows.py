@@ -28,7 +28,7 @@ from lowmem_tpu.data.formats import (
     prompt_answer_pairs,
     require_columns,
 )
-from lowmem_tpu.data.loading import DataError
+from lowmem_tpu.data.loading import DataError, length_percentiles
 from lowmem_tpu.data.preference import preference_prompts, preference_rows
 from lowmem_tpu.data.splits import Role, select_records
 
@@ -182,14 +182,6 @@ def describe_cuts(stats: dict[str, Any]) -> str:
         if stats.get(key)
     ]
     return f"{stats['truncated']} truncated, {stats['dropped']} dropped" + (f" ({', '.join(why)})" if why else "")
-
-
-def length_percentiles(lengths: list[int]) -> dict[str, int]:
-    """Tokens per sample before cutting: the median, 90th and 99th percentiles and the longest."""
-    import numpy as np
-
-    p50, p90, p99 = (int(np.percentile(lengths, q, method="higher")) for q in (50, 90, 99))
-    return {"p50": p50, "p90": p90, "p99": p99, "max": max(lengths)}
 
 
 def _pad(samples: list[Sample], length: int, pad_id: int) -> dict[str, np.ndarray]:

@@ -101,6 +101,13 @@ def _trainer(recipe: Recipe, runtime: Any, model: Any, micro: int, callback: Any
     """The XlaSFTTrainer ``lowmem-tpu sft`` builds, on synthetic rows of the recipe's shape."""
     from lowmem_tpu.train.trainer import build_trainer
 
+    if recipe.data.format == "preference":
+        raise UserError(
+            "data.format: preference: the DPO step (three programs per micro-batch, TRL's loss on the host "
+            "between them) is not traced or compiled here yet; `lowmem-tpu memory RECIPE` plans it (both rows "
+            "of every pair through the policy), and a run on the CPU backend shows it working"
+        )
+
     rows = recipe.train.global_batch_size * (recipe.train.max_steps + 1)
     dataset = synthetic_dataset(recipe, model.config.get_text_config().vocab_size, rows)
     return build_trainer(recipe, runtime, model, dataset, any_tokenizer(recipe), micro, [callback])

@@ -137,7 +137,9 @@ def setting_of(recipe: Recipe, devices: int) -> Setting:
         checkpointing=recipe.sharding.checkpoint_every > 0,
         checkpoint_every=max(recipe.sharding.checkpoint_every, 1),
         chunked_loss=t.chunked_loss,
-        global_batch=t.global_batch_size,
+        # DPO: both rows of every pair through the policy; the reference's forward pass needs no grad and
+        # frees each layer's activations as it goes
+        global_batch=t.global_batch_size * (2 if recipe.data.format == "preference" else 1),
         accumulation=t.gradient_accumulation_steps,
         length=recipe.data.max_length,
         optimizer=t.optimizer,

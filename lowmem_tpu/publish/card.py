@@ -57,7 +57,8 @@ def metadata(src: dict[str, dict[str, Any]], kind: str, license: str | None, bas
     from huggingface_hub import ModelCardData
 
     mode = src["metrics"].get("mode") or ("lora" if kind == "adapter" or src["merge"] else "full")
-    tags = [PROJECT, "sft", "lora" if mode == "lora" else "full-fine-tuning"]
+    method = "dpo" if src["recipe"].get("data", {}).get("format") == "preference" else "sft"
+    tags = [PROJECT, method, "lora" if mode == "lora" else "full-fine-tuning"]
     if src["merge"]:
         tags.append("merged-lora")
     dataset = hub_id(src["recipe"].get("data", {}).get("path"))
@@ -104,7 +105,7 @@ def _summary(src: dict[str, dict[str, Any]], kind: str, base: str | None) -> str
     targets = lora.get("target_modules")
     targets = ", ".join(sorted(targets)) if isinstance(targets, list) else targets
     lora_text = f"LoRA (r={lora.get('r')}, alpha={lora.get('lora_alpha')}, on {targets})"
-    how = f"trained with `{PROJECT}` by supervised fine-tuning (TRL SFTTrainer, PyTorch/XLA FSDP)"
+    how = f"trained with `{PROJECT}` by {_method(src['recipe'])}"
     if kind == "adapter":
         return f"A {lora_text} adapter for {base_text}, {how}."
     if src["merge"]:
@@ -112,6 +113,15 @@ def _summary(src: dict[str, dict[str, Any]], kind: str, base: str | None) -> str
         text = f"{base_text} with a {lora_text} adapter merged into its weights ({dtype}), {how}."
         return text[0].upper() + text[1:]
     return f"A full fine-tune of {base_text} (every parameter trained), {how}."
+
+
+def _method(recipe: dict[str, Any]) -> str:
+    """How the weights were trained, as the card's first sentence says it."""
+    if (recipe.get("data") or {}).get("format") != "preference":
+        return "supervised fine-tuning (TRL SFTTrainer, PyTorch/XLA FSDP)"
+    p = recipe.get("preference") or {}
+    losses = "+".join(p.get("loss_type") or ["sigmoid"])
+    return f"preference tuning: DPO (TRL DPOTrainer, beta {p.get('beta')}, loss {losses}, PyTorch/XLA FSDP)"
 
 
 def _table(rows: list[tuple[str, Any]], head: tuple[str, str] = ("", "")) -> str:
@@ -162,7 +172,14 @@ def _recipe_section(recipe: dict[str, Any], metrics: dict[str, Any]) -> str:
         ("sequence length", f"{d.get('max_length')} (packing {_on(d.get('packing'))})"),
         ("sharding", f"{s.get('strategy')} over {devices}, activation checkpointing {checkpointing}"),
     ]
-    rerun = f"The whole resolved recipe is in `recipe.yaml`; `{PROJECT} sft recipe.yaml` runs it again."
+    dpo = d.get("format") == "preference"
+    if dpo:
+        p = recipe.get("preference", {})
+        rows.insert(2, ("method", f"DPO, beta {p.get('beta')}, loss {'+'.join(p.get('loss_type') or [])}"))
+        if m.get("adapter"):
+            rows.insert(3, ("started from", f"`{m['adapter']}` (also the reference, frozen)"))
+    command = "dpo" if dpo else "sft"
+    rerun = f"The whole resolved recipe is in `recipe.yaml`; `{PROJECT} {command} recipe.yaml` runs it again."
     return "## Recipe\n\n" + _table(rows, ("setting", "value")) + "\n\n" + rerun
 
 
@@ -175,7 +192,9 @@ def _results_section(metrics: dict[str, Any]) -> str:
         return ""
     before, after = metrics.get("eval", {}).get("before", {}), metrics.get("eval", {}).get("after", {})
     lines = ["| metric | before | after |", "|---|---|---|"]
-    for key, name in (("loss", "eval loss"), ("token_accuracy", "eval token accuracy"), ("exact_match", "exact match")):
+    named = (("loss", "eval loss"), ("token_accuracy", "eval token accuracy"), ("exact_match", "exact match"))
+    named += (("preference_accuracy", "preference accuracy"), ("reward_margin", "reward margin"))
+    for key, name in named:
         if key in before or key in after:
             lines.append(f"| {name} | {_fmt(before.get(key))} | {_fmt(after.get(key))} |")
     train = metrics.get("train", {})

@@ -8,13 +8,9 @@ The reference is the same model: with fresh adapters (B = 0) the policy with its
 so the frozen sharded base serves both and no copy is made; starting from a trained adapter
 (``model.adapter``), TRL's frozen copy of it (the ``ref`` adapter).
 
-Trap ``dpo-on-the-host``: TRL's loss reads every metric with ``.item()`` and sums some through boolean
-masks. On XLA each read runs the graph that makes the value (the whole forward pass again), and a masked
-sum has a shape that depends on the data (a compile per batch). So TRL's ``_compute_loss`` runs unchanged
-on host tensors: the model it calls (:class:`OnDevice`) runs the forward pass on the devices, makes every
-live tensor device data, and hands back host copies of its outputs; the loss's gradient flows back to the
-devices through those copies. The devices run three programs of static shape per micro-batch (the policy's
-forward pass, the reference's, the backward pass); the host computes TRL's loss and metrics in between.
+TRL's ``_compute_loss`` runs unchanged on host copies of the forward passes' outputs (trap
+``dpo-on-the-host``): the devices run three programs of static shape per micro-batch (the policy's forward
+pass, the reference's, the backward pass); the host computes TRL's loss and metrics in between.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@
 
 :class:`XlaTrainerMixin` is what any TRL trainer needs on this stack (wrapping, the optimizer,
 checkpoints, resume, logging); :class:`XlaSFTTrainer` mixes it into ``SFTTrainer`` and adds SFT's
-collator and loss. A preference trainer would mix the same glue into its own TRL class.
+collator and loss; ``train.preference.XlaDPOTrainer`` mixes it into ``DPOTrainer``.
 
 The traps of plain TRL on XLA, listed here and nowhere else; code and docs name them (trap ``NAME``):
 
@@ -35,6 +35,11 @@ The traps of plain TRL on XLA, listed here and nowhere else; code and docs name 
 - ``resume-rng``: on resume the Trainer restores the RNG after fetching the step's batches, but
   torch_xla's device loader advances the XLA seed once per batch (it cuts a graph per batch): those
   advances are replayed, so dropout draws exactly what the uninterrupted run drew.
+- ``dpo-on-the-host``: TRL's DPO loss reads each metric with ``.item()`` and sums some through boolean masks:
+  on XLA each read runs the graph that makes it (the forward pass again) and each masked sum has a shape
+  set by the data (a compile per batch). TRL's ``_compute_loss`` runs unchanged on host copies of the
+  forward passes' outputs, made on the devices (every live tensor then device data), the gradient flowing
+  back through the copies (``train.preference.OnDevice``).
 - ``loader-threads``: torch_xla's device loader starts prefetching threads at each iteration; a run that
   stops mid-epoch leaves them blocked on a full queue, batches held, for the life of the process: they
   are closed after ``train()``.

@@ -1,0 +1,50 @@
+"""TRL's DPOTrainer on plain CPU PyTorch (no XLA): the loss and metrics of one batch, as JSON.
+
+    USE_TORCH_XLA=0 python tests/helpers/dpo_reference.py BASE ADAPTER DATA PAIRS BETA LOSSES OUT.json
+
+The policy is BASE with the LoRA adapter ADAPTER (TRL builds the PEFT model from the adapter's config, the
+adapter's weights are then loaded); the reference is BASE with the adapters switched off, TRL's own way.
+TRL tokenizes the first PAIRS records of DATA itself and pads them with its own collator.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import datasets
+import torch
+from peft import LoraConfig, set_peft_model_state_dict
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from trl import DPOConfig, DPOTrainer
+
+from lowmem_tpu.config import DataSection
+from lowmem_tpu.data import set_chat_template
+
+
+def main(base: str, adapter: str, data: str, pairs: str, beta: str, losses: str, out: str) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    set_chat_template(tokenizer, DataSection(format="preference"))  # the template a run trains with
+    tokenizer.pad_token = tokenizer.pad_token or tokenizer.unk_token
+    records = datasets.load_dataset("json", data_files=data, split="train").select(range(int(pairs)))
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    args = DPOConfig(
+        output_dir=f"{out}.trainer", use_cpu=True, report_to=[], beta=float(beta), loss_type=losses.split(","),
+        per_device_train_batch_size=int(pairs), max_length=None,
+    )  # fmt: skip
+    trainer = DPOTrainer(
+        model=model, args=args, train_dataset=records, processing_class=tokenizer,
+        peft_config=LoraConfig.from_pretrained(adapter),
+    )  # fmt: skip
+    set_peft_model_state_dict(trainer.model, load_file(f"{adapter}/adapter_model.safetensors"))
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(int(pairs))])
+    trainer.model.train()
+    loss = trainer.compute_loss(trainer.model, batch)
+    metrics = {key: values[-1] for key, values in trainer._metrics["train"].items()}
+    with open(out, "w") as f:
+        json.dump({"loss": loss.item(), **metrics}, f)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
