@@ -300,14 +300,14 @@ def test_local_model_must_be_a_directory(tmp_path):
 
 
 def test_builtin_names_are_files_for_data_and_directories_for_models():
-    assert builtin_names("dataset") == ["reverse/eval.jsonl", "reverse/train.jsonl"]
+    assert builtin_names("dataset") == [f"reverse/{n}.jsonl" for n in ("eval", "prefer_eval", "prefer_train", "train")]
     assert builtin_names("model") == ["tiny-llama"]
 
 
 @pytest.mark.parametrize(
     ("override", "listed"),
     [
-        ("data.path=builtin:reverse", "built-in ones (files): builtin:reverse/eval.jsonl, builtin:reverse/train.jsonl"),
+        ("data.path=builtin:reverse", "built-in ones (files): builtin:reverse/eval.jsonl, builtin:reverse/prefer_eval"),
         ("data.eval_path=builtin:tiny-llama/config.json", "builtin:reverse/eval.jsonl"),
         ("model.name_or_path=builtin:nope", "built-in ones (directories): builtin:tiny-llama"),
         ("model.name_or_path=builtin:reverse/train.jsonl", "builtin:tiny-llama"),
@@ -400,7 +400,7 @@ def _is_section(annotation) -> bool:
 
 def test_every_field_has_a_one_line_description():
     sections = [f.annotation for f in Recipe.model_fields.values() if _is_section(f.annotation)]
-    assert len(sections) == 7
+    assert len(sections) == 8
     for model in [Recipe, *sections]:
         assert model.__doc__, model.__name__  # a section's docstring describes it
         for name, field in model.model_fields.items():
