@@ -39,8 +39,14 @@ RUN = [
     "data.eval_path=null",
     "lora.dropout=0.1",  # dropout draws from the XLA RNG, which a checkpoint must restore
 ]
-MODES = {"lora": [], "full": ["lora.enabled=false", "train.learning_rate=1e-3"]}
-# (case, what the kill leaves); ``base`` exists in LoRA runs only (a random-init base is saved beside the adapter).
+MODES = {
+    "lora": [],
+    "full": ["lora.enabled=false", "train.learning_rate=1e-3"],
+    "dpo": ["preference.loss_type=sigmoid", "train.eval_steps=null"],
+}
+COMMANDS = {"dpo": ("dpo", "recipes/tiny_dpo_cpu.yaml")}  # (command, recipe) of a mode; else sft of RECIPE
+# (case, what the kill leaves); ``base`` exists in LoRA runs only, DPO's too (a random-init base is saved beside the
+# adapter).
 CASES = [
     ("cache", "a data cache entry written, not yet renamed: tokenization must run again"),
     ("base", "the random-init base half-saved (LoRA)"),
@@ -55,7 +61,11 @@ CASES = [
     ("final-weights", "final.partial holds the weights only"),
     ("final-publish", "final.partial whole, not yet renamed to final/"),
 ]
-QUICK = {"lora": ["cache", "save-state:2", "save-complete:2", "final-publish"], "full": ["save-state:2"]}
+QUICK = {
+    "lora": ["cache", "save-state:2", "save-complete:2", "final-publish"],
+    "full": ["save-state:2"],
+    "dpo": ["save-state:2"],
+}
 
 
 def env(kill: str | None = None) -> dict[str, str]:
@@ -68,11 +78,12 @@ def env(kill: str | None = None) -> dict[str, str]:
 
 
 def command(out: Path, mode: str) -> list[str]:
-    return [sys.executable, "-m", "lowmem_tpu.cli", "sft", RECIPE, f"output_dir={out}", *RUN, *MODES[mode]]
+    verb, recipe = COMMANDS.get(mode, ("sft", RECIPE))
+    return [sys.executable, "-m", "lowmem_tpu.cli", verb, recipe, f"output_dir={out}", *RUN, *MODES[mode]]
 
 
 def sft(out: Path, mode: str, kill: str | None = None, timeout: int = 1200) -> subprocess.CompletedProcess[str]:
-    """``lowmem-tpu sft`` of this mode into ``out`` (killed at ``kill``, if given)."""
+    """``lowmem-tpu sft`` (``dpo`` for the dpo mode) of this mode into ``out`` (killed at ``kill``, if given)."""
     return subprocess.run(command(out, mode), env=env(kill), capture_output=True, text=True, timeout=timeout)
 
 

@@ -69,3 +69,13 @@ def test_a_full_run_killed_with_a_complete_checkpoint_not_yet_renamed_resumes_bi
         "step-4",
         "step-6",
     ]
+
+
+def test_a_dpo_run_killed_inside_its_second_save_resumes_bit_for_bit(references, tmp_path):
+    """The preference trainer writes and reads the same checkpoints: TRL's DPO loss resumes where it stopped."""
+    out = tmp_path / "run"
+    _kill(out, "dpo", "save-state:2")
+    again = matrix.sft(out, "dpo")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resuming from {out / 'checkpoints' / 'step-2'}" in again.stdout
+    assert matrix.weight_difference(references("dpo"), out / "final") is None
