@@ -92,9 +92,6 @@ def _step(records: dict, name: str, device: str) -> str:
     return f"{estimate['step_seconds']:.2f} s ({estimate['mfu']:.0%})" if estimate.get("reported") else ""
 
 
-NOT_TRACED = "not compiled: the DPO step is not traced for the TPU compiler yet"
-
-
 def table() -> str:
     """README.md: each shipped recipe on its target, the planner's peak beside the TPU compiler's figure."""
     records = json.loads(RECORD.read_text())
@@ -104,9 +101,6 @@ def table() -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     for item in describe_shipped():
-        if item.command != "sft":
-            rows.append(f"| `{item.name}.yaml` | {item.target or 'none'} | {item.purpose} | | | {NOT_TRACED} | | |")
-            continue
         if not item.target or item.target == "cpu":
             compiled = ", ".join(f"{size(records[f'{item.name}@{d}']['needed'])} on {d}" for d in ("v5e-8", "v5e-1"))
             rows.append(f"| `{item.name}.yaml` | cpu | the demo | | | {compiled} | | |")
@@ -136,8 +130,6 @@ def _targets() -> list[tuple[str, str, Path]]:
     """(name, device, path) of every shipped recipe on its target; the tiny demo on v5e-8 and v5e-1."""
     out = []
     for item in describe_shipped():
-        if item.command != "sft":
-            continue
         for device in [item.target] if item.target and item.target != "cpu" else ["v5e-8", "v5e-1"]:
             out.append((item.name, device, item.path))
     return out

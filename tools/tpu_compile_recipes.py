@@ -45,12 +45,9 @@ TINY_TARGETS = ("v5e-8", "v5e-1")
 
 
 def targets() -> list[tuple[str, str, Path]]:
-    """(recipe name, device, path) for every shipped SFT recipe and its target (the DPO step is not traced for
-    the TPU compiler yet)."""
+    """(recipe name, device, path) for every shipped recipe and its target."""
     out = []
     for item in describe_shipped():
-        if item.command != "sft":
-            continue
         for device in [item.target] if item.target and item.target != "cpu" else TINY_TARGETS:
             out.append((item.name, device, item.path))
     return out

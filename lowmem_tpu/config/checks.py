@@ -43,6 +43,12 @@ def cross_problems(recipe: Any) -> list[Problem]:
         )
         problems.append((("model.quantize", "lora.enabled"), message))
     lora = recipe.lora
+    if data.format == "preference" and data.packing:
+        message = (
+            "data.packing: preference pairs are not packed (each pair is two rows of data.max_length, chosen "
+            "and rejected, compared whole); set data.packing: false"
+        )
+        problems.append((("data.packing", "data.format"), message))
     if model.adapter and not lora.enabled:
         message = (
             "model.adapter: a LoRA adapter is trained further as LoRA, but lora.enabled is false; "

@@ -32,10 +32,12 @@ def measure_fill(cfg: DataSection, tokenizer: Any, samples: int = SAMPLES) -> Fi
     """The fill of the training data, padded and packed (its first ``samples`` records)."""
     from lowmem_tpu.data.rows import build_dataset
 
-    shares, read = {}, 0
-    for packing in (False, True):
+    shares, read = {True: None}, 0
+    per_record = 2 if cfg.format == "preference" else 1  # a preference pair is two rows, never packed
+    for packing in (False, True) if per_record == 1 else (False,):
         data = with_fields(cfg, packing=packing)
         _, stats = build_dataset(data, tokenizer, max_samples=samples)
-        shares[packing] = stats["tokens"] / (stats["rows"] * data.max_length) if stats["rows"] else None
+        positions = stats["rows"] * per_record * data.max_length
+        shares[packing] = stats["tokens"] / positions if positions else None
         read = stats["samples"]
     return Fill(shares[False], shares[True], read)

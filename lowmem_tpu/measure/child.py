@@ -97,20 +97,37 @@ def _host_peak_rss() -> int:
     return 0
 
 
-def _trainer(recipe: Recipe, runtime: Any, model: Any, micro: int, callback: Any) -> Any:
-    """The XlaSFTTrainer ``lowmem-tpu sft`` builds, on synthetic rows of the recipe's shape."""
+def _trainer(recipe: Recipe, runtime: Any, model: Any, micro: int, callback: Any, traced: bool = False) -> Any:
+    """The trainer ``lowmem-tpu sft`` (or ``dpo``) builds, on synthetic rows of the recipe's shape."""
+    from lowmem_tpu.train.preference import build_preference_trainer
     from lowmem_tpu.train.trainer import build_trainer
 
-    if recipe.data.format == "preference":
-        raise UserError(
-            "data.format: preference: the DPO step (three programs per micro-batch, TRL's loss on the host "
-            "between them) is not traced or compiled here yet; `lowmem-tpu memory RECIPE` plans it (both rows "
-            "of every pair through the policy), and a run on the CPU backend shows it working"
-        )
-
     rows = recipe.train.global_batch_size * (recipe.train.max_steps + 1)
-    dataset = synthetic_dataset(recipe, model.config.get_text_config().vocab_size, rows)
-    return build_trainer(recipe, runtime, model, dataset, any_tokenizer(recipe), micro, [callback])
+    vocab = model.config.get_text_config().vocab_size
+    if recipe.data.format != "preference":
+        dataset = synthetic_dataset(recipe, vocab, rows)
+        return build_trainer(recipe, runtime, model, dataset, any_tokenizer(recipe), micro, [callback])
+    if not traced:
+        raise UserError(
+            "data.format: preference: a DPO step runs three programs per micro-batch with TRL's loss on the "
+            "host between them, which --measure and compare do not read yet; `lowmem-tpu memory RECIPE "
+            "--compile --device TPU` compiles it for a TPU"
+        )
+    dataset = synthetic_pairs(recipe, vocab, rows)
+    return build_preference_trainer(recipe, runtime, model, dataset, any_tokenizer(recipe), micro, [callback])
+
+
+def synthetic_pairs(recipe: Recipe, vocab_size: int, pairs: int) -> Any:
+    """Preference rows of ``data.max_length`` random tokens, chosen and rejected each, half of them completion."""
+    import datasets
+    import numpy as np
+
+    length = recipe.data.max_length
+    ids = np.random.default_rng(0).integers(3, vocab_size, size=(pairs, 2, length))
+    completion = np.zeros((pairs, 2, length), dtype=np.int64)
+    completion[:, :, length // 2 :] = 1
+    columns = {"input_ids": ids, "attention_mask": np.ones_like(ids), "completion_mask": completion}
+    return datasets.Dataset.from_dict({key: value.tolist() for key, value in columns.items()})
 
 
 def _finish(record: dict[str, Any], result: Path) -> None:
@@ -242,7 +259,11 @@ def _trace(recipe: Recipe, runtime: Any, micro: int, record: dict[str, Any], res
     # the model's placeholders only, while the optimizer state and master weights (``resident``) wait
     # in HBM for the optimizer's program after the last micro-batch.
     record["model_placeholders"], record["resident"] = record["placeholders"], []
-    trainer = _trainer(recipe, runtime, model, micro, _trace_hook(record, result))
+    trainer = _trainer(recipe, runtime, model, micro, _trace_hook(record, result), traced=True)
+    if recipe.data.format == "preference":
+        from lowmem_tpu.xla.sharding import fresh_placeholders
+
+        fresh_placeholders(model)
 
     def fp32_copy(param: Any) -> Any:  # the master weights, as placeholders too
         record["placeholders"] += 1

@@ -222,10 +222,16 @@ def compile_beside_plan(
     report = plan_recipe(recipe, device.name, config)  # also refuses a batch the chips do not split
     result = result or compile_recipe(recipe, device)
     plan = report.plan
+    pairs = recipe.data.format == "preference"  # DPO: two rows a pair, and the reference's forward pass
     rows = recipe.train.global_batch_size // recipe.train.gradient_accumulation_steps  # one program's micro-batch
-    positions = rows * recipe.data.max_length // device.devices
+    positions = rows * (2 if pairs else 1) * recipe.data.max_length // device.devices
     per_token = flops_per_token(
-        config, plan.total_parameters, plan.trainable_parameters, recipe.data.max_length, recipe.lora.enabled
+        config,
+        plan.total_parameters,
+        plan.trainable_parameters,
+        recipe.data.max_length,
+        recipe.lora.enabled,
+        reference_pass=pairs,
     )
     cost = step_estimate(result, per_token * positions, positions, fill, fill_source)
     advice = None

@@ -15,6 +15,7 @@ pass, the reference's, the backward pass); the host computes TRL's loss and metr
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -47,6 +48,8 @@ class XlaDPOTrainer(XlaTrainerMixin, DPOTrainer):
         self.device_metrics.add(
             mode, tokens=inputs["attention_mask"].sum(), label_tokens=inputs["completion_mask"][:, 1:].sum()
         )
+        if self.placeholder_weights:
+            return self._traced_loss(model, inputs)
         host = {key: torch.from_numpy(value) for key, value in inputs["host"].items()}  # trap ``dpo-on-the-host``
         policy = OnDevice(model, inputs, self.runtime)
         reference = OnDevice(model, inputs, self.runtime, adapters=self.policy, reference=True)
@@ -57,6 +60,21 @@ class XlaDPOTrainer(XlaTrainerMixin, DPOTrainer):
             self.model, self.ref_model = wrapper, None
         device = inputs["input_ids"].device  # the Trainer's backward starts on the devices
         return (result[0].to(device), result[1]) if return_outputs else result.to(device)
+
+    def _traced_loss(self, model: torch.nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
+        """The step the TPU compiler sizes (``memory --compile``: placeholder weights, never trained): the
+        sigmoid DPO loss written on the devices, so that the policy's forward pass, the reference's and the
+        backward pass are one program. A run computes TRL's own loss on the host between those passes (trap
+        ``dpo-on-the-host``); the tensors the devices hold are the same."""
+        import torch.nn.functional as F
+
+        labels = inputs["input_ids"].masked_fill(inputs["completion_mask"] == 0, -100)
+        batch = {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"], "labels": labels}
+        policy = model(**batch, use_cache=False, fused_lm_head=True).log_probs.sum(-1)
+        with torch.no_grad(), as_reference(self.policy):
+            reference = model(**batch, use_cache=False, fused_lm_head=True).log_probs.sum(-1)
+        chosen, rejected = (policy - reference).chunk(2)
+        return -F.logsigmoid(self.beta * (chosen - rejected)).mean()
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         mode = "eval" if any(k.startswith("eval_") for k in logs) else "train"
@@ -82,25 +100,22 @@ class OnDevice(torch.nn.Module):
 
         device = self.inputs["input_ids"].device
         batch = {key: self.inputs[key] for key in ("input_ids", "attention_mask")}
-        with self._reference():
+        with as_reference(self.adapters) if self.adapters is not None else contextlib.nullcontext():
             outputs = self.wrapped(**batch, labels=labels.to(device), use_cache=False, fused_lm_head=True)
         for value in outputs.values():
             replicate(value, self.runtime.mesh)  # a replicated tensor comes to the host without a compile
         rt.sync()  # every live tensor device data: the backward pass reads them, nothing is run twice
         return type(outputs)(**{key: value.to("cpu") for key, value in outputs.items()})
 
-    def _reference(self) -> Any:
-        import contextlib
+    # torch_xla's checkpointing is in the wrapped layers (trap ``gradient-checkpointing``), not the model's own
+    is_gradient_checkpointing = False
 
-        if self.adapters is None:
-            return contextlib.nullcontext()
-        from trl.trainer.utils import use_adapter
 
-        return use_adapter(self.adapters, "ref" if "ref" in self.adapters.peft_config else None)
+def as_reference(peft: Any) -> Any:
+    """The policy as its reference, TRL's way: its frozen ``ref`` adapter where it keeps one, else no adapter."""
+    from trl.trainer.utils import use_adapter
 
-    is_gradient_checkpointing = (
-        False  # torch_xla's checkpointing is in the wrapped layers (trap ``gradient-checkpointing``)
-    )
+    return use_adapter(peft, "ref" if "ref" in peft.peft_config else None)
 
 
 def build_preference_trainer(

@@ -195,6 +195,15 @@ def place_placeholders(model: nn.Module) -> int:
     return len(made)
 
 
+def fresh_placeholders(model: nn.Module) -> None:
+    """Each parameter's data replaced by a new placeholder, the parameters kept: a placeholder once read
+    (TRL's DPOTrainer copies the adapters into its reference adapter) carries a graph node that wrapping
+    would try to run."""
+    with torch.no_grad():
+        for param in model.parameters():
+            param.data = placeholder(param.shape, param.dtype)
+
+
 @contextlib.contextmanager
 def placeholders_unmarked() -> Iterator[None]:
     """While tracing with placeholders: FSDPv2 marks every parameter it finds unsharded, and a
