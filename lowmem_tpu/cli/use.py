@@ -113,7 +113,7 @@ def eval_command(
         str | None,
         typer.Option(
             "--format",
-            help="text, alpaca, chat, prompt_completion or sharegpt (default: the run's data.format).",
+            help="text, alpaca, chat, prompt_completion, sharegpt or preference (default: the run's data.format).",
             show_default=False,
         ),
     ] = None,
@@ -128,7 +128,8 @@ def eval_command(
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of the summary.")] = False,
 ) -> None:
-    """Held-out loss, perplexity, token accuracy and greedy exact match: the numbers sft prints, for any data."""
+    """Held-out loss, perplexity, token accuracy and greedy exact match: the numbers sft prints, for any data
+    (a DPO run: TRL's loss, preference accuracy and reward margin, and exact match of the chosen answers)."""
     import contextlib
 
     from lowmem_tpu.infer.score import evaluate_directory, format_scores

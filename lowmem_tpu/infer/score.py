@@ -1,7 +1,8 @@
 """``lowmem-tpu eval``: score a trained model on a data set, by the very code ``sft`` scores with.
 
 Held-out loss and token accuracy come from the run's own trainer (``XlaSFTTrainer.evaluate`` on
-rows tokenized by ``data.build_dataset``), greedy exact match from ``evaluate.greedy_exact_match``
+rows tokenized by ``data.build_dataset``; a DPO run's: TRL's loss, preference accuracy and reward margin
+against the base), greedy exact match from ``evaluate.greedy_exact_match``
 on the prompts ``data.exact_match_prompts`` builds: the numbers ``sft`` prints before and after
 training, for any adapter or model directory and any data in its run's format.
 """
@@ -64,20 +65,32 @@ def evaluate_directory(
 def _score(recipe: Any, runtime: Any, trained: Any, rows: Any, prompts: list, micro: int) -> dict[str, Any]:
     from lowmem_tpu.data.chat import ending
     from lowmem_tpu.evaluate import greedy_exact_match
+    from lowmem_tpu.train.preference import build_preference_trainer
     from lowmem_tpu.train.trainer import build_trainer
     from lowmem_tpu.xla.runtime import sync
     from lowmem_tpu.xla.sharding import place_parameters
 
     model, tokenizer = trained.model, trained.tokenizer
+    pairs = recipe.data.format == "preference"
+    if pairs and recipe.model.adapter:
+        raise UserError(
+            f"this DPO run started from {recipe.model.adapter}, its reference: eval scores preference runs "
+            "against the base (runs from fresh adapters) only; the run's own metrics.json has its held-out scores"
+        )
     place_parameters(model, runtime, recipe.sharding.strategy)
-    trainer = build_trainer(recipe, runtime, model, rows, tokenizer, micro, [], eval_dataset=rows)
+    build = build_preference_trainer if pairs else build_trainer
+    trainer = build(recipe, runtime, model, rows, tokenizer, micro, [], eval_dataset=rows)
     scores = trainer.evaluate()
     loss = scores.get("eval_loss")
-    result: dict[str, Any] = {
-        "loss": loss,
-        "perplexity": math.exp(loss) if loss is not None and loss < 50 else None,
-        "token_accuracy": scores.get("eval_token_accuracy"),
-    }
+    result: dict[str, Any] = {"loss": loss, "perplexity": math.exp(loss) if loss is not None and loss < 50 else None}
+    if pairs:  # TRL's own figures: DPO's loss is no language-model loss (no perplexity)
+        result |= {
+            "perplexity": None,
+            "preference_accuracy": scores.get("eval_rewards/accuracies"),
+            "reward_margin": scores.get("eval_rewards/margins"),
+        }
+    else:
+        result["token_accuracy"] = scores.get("eval_token_accuracy")
     if prompts:
         em = greedy_exact_match(
             trainer.fsdp_model,
@@ -99,7 +112,9 @@ def format_scores(directory: Path, result: dict[str, Any]) -> str:
     lines = [f"{directory} on {result['data']} ({result['rows']:,} rows)"]
     if result.get("loss") is None:
         lines.append("  loss            n/a: fewer rows than one batch (a partial batch is dropped: static shapes)")
-    for key, label in (("loss", "loss"), ("perplexity", "perplexity"), ("token_accuracy", "token accuracy")):
+    labels = [("loss", "loss"), ("perplexity", "perplexity"), ("token_accuracy", "token accuracy")]
+    labels += [("preference_accuracy", "preference acc"), ("reward_margin", "reward margin")]
+    for key, label in labels:
         if result.get(key) is not None:
             lines.append(f"  {label:<16}{result[key]:.4f}")
     if "exact_match" in result:

@@ -300,6 +300,12 @@ def small_plan_note(plan: Plan) -> str | None:
             f"a TPU step under {gib(ROUGH_BELOW)} per chip is planned roughly (off by up to 4.5x: the compiler "
             "keeps small buffers in on-chip VMEM and has fixed costs); --compile gives the TPU compiler's own figure"
         )
+    if plan.setting.preference:
+        return (
+            "a DPO step is planned as the SFT step of both rows of every pair: the TPU compiler keeps up to "
+            f"{UNCALIBRATED_MORE:.0%} more (the reference's forward pass, TRL's LM head); --compile gives its "
+            "own figure"
+        )
     if not calibrated(plan.setting):
         return (
             "the TPU layout is read off steps that recompute every layer in one micro-batch: here the compiler "

@@ -100,6 +100,7 @@ class Setting:
     attention: str = "eager"  # model.attn_implementation: eager/sdpa keep [length, length] scores, chunked/flash not
     checkpoint_every: int = 1  # with checkpointing: one decoder layer in this many is recomputed
     chunked_loss: bool = False  # train.chunked_loss: the loss over blocks of positions, no whole logits
+    preference: bool = False  # a DPO step: both rows of each pair (global_batch counts rows), a reference pass
 
     @property
     def bits(self) -> int:
@@ -152,6 +153,7 @@ def setting_of(recipe: Recipe, devices: int) -> Setting:
         master_weights=uses_master_weights(recipe),
         adapter_dtype=recipe.model.dtype if lora.dtype == "model" else "float32",
         attention=getattr(recipe.model, "attn_implementation", "eager"),
+        preference=recipe.data.format == "preference",
     )
     problem = batch_split_problem(t.global_batch_size, t.gradient_accumulation_steps, devices)
     if problem:

@@ -90,9 +90,11 @@ UNCALIBRATED_MORE = 0.81
 
 
 def calibrated(st: Setting) -> bool:
-    """Whether the layout was read off steps like this one: every decoder layer recomputed, and (over several
-    chips) one micro-batch per step (one chip: the QLoRA recipes' 2 micro-batches are within 10%)."""
-    return st.checkpointing and st.checkpoint_every == 1 and (st.accumulation == 1 or st.devices == 1)
+    """Whether the layout was read off steps like this one: SFT (a DPO step adds the reference's forward pass and
+    TRL's LM head), every decoder layer recomputed, and (over several chips) one micro-batch per step (one chip:
+    the QLoRA recipes' 2 micro-batches are within 10%)."""
+    one_program = st.accumulation == 1 or st.devices == 1
+    return not st.preference and st.checkpointing and st.checkpoint_every == 1 and one_program
 
 
 def _spread(st: Setting) -> str:

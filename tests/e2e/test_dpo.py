@@ -109,3 +109,12 @@ def test_a_dpo_run_starts_at_ln_2_and_compiles_nothing_after_warm_up(tmp_path):
     merge = [sys.executable, "-m", "lowmem_tpu.cli", "merge", str(out / "final"), "--out", str(tmp_path / "merged")]
     merged = subprocess.run(merge, capture_output=True, text=True, timeout=300)
     assert merged.returncode == 0, merged.stderr[-2000:]
+    # eval scores the saved adapter as the run scored its held-out pairs after training
+    held_out = str(PAIRS.with_name("prefer_eval.jsonl"))
+    evaluate = [sys.executable, "-m", "lowmem_tpu.cli", "eval", str(out / "final"), "--data", held_out]
+    scored = subprocess.run([*evaluate, "--samples", "8", "--json"], capture_output=True, text=True, timeout=600)
+    assert scored.returncode == 0, scored.stderr[-2000:]
+    after, result = metrics["eval"]["after"], json.loads(scored.stdout)
+    assert result["loss"] == pytest.approx(after["loss"], abs=1e-4)
+    assert result["preference_accuracy"] == pytest.approx(after["preference_accuracy"], abs=1e-6)
+    assert result["exact_match"] == after["exact_match"]
