@@ -71,6 +71,9 @@ def _what(recipe) -> str:
         method += f", {recipe.train.optimizer}"
     model = recipe.model.name_or_path.split("/")[-1]
     tokens = f"{recipe.train.global_batch_size} x {recipe.data.max_length} tokens per step"
+    if recipe.data.format == "preference":
+        method = f"DPO ({method})"
+        tokens = f"{recipe.train.global_batch_size} pairs x 2 x {recipe.data.max_length} tokens per step"
     split = recipe.train.gradient_accumulation_steps
     return f"{method}, {model}, {tokens}" + (f" in {split} micro-batches" if split > 1 else "")
 
