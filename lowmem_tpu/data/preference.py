@@ -51,7 +51,9 @@ def record_parts(record: dict[str, Any], cfg: DataSection, where: str) -> tuple[
         example[field] = value if isinstance(value, str) else fields.as_messages(value, f"{where}: column {name!r}")
     plain = isinstance(example["chosen"], str)
     prompt = record.get(fields.column(cfg, "prompt"))
-    if prompt is not None:
+    # A text prompt beside conversations that hold it (HuggingFaceH4's UltraFeedback): the shared turns are
+    # the prompt, as TRL's maybe_extract_prompt reads such a record
+    if prompt is not None and not (isinstance(prompt, str) and not plain):
         example["prompt"] = prompt if isinstance(prompt, str) else fields.as_messages(prompt, f"{where}: prompt")
     if any(isinstance(value, str) != plain for value in example.values()):
         raise DataError(f"{where}: prompt, chosen and rejected must all be strings or all lists of messages; {FIX}")

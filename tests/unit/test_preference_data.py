@@ -40,6 +40,9 @@ IMPLICIT = [  # no prompt column: chosen and rejected share it (Anthropic HH, Ul
     }
 ]
 IMPLICIT_PLAIN = [{"chosen": "Q: reverse abc A: cba", "rejected": "Q: reverse abc A: bac"}]
+TEXT_PROMPT_BESIDE = [  # HuggingFaceH4/ultrafeedback_binarized: a text prompt, conversations that hold it too
+    {"prompt": USER["content"], **IMPLICIT[0]}
+]
 
 
 def _write(path, records) -> str:
@@ -95,13 +98,17 @@ def _ours(rows) -> list[dict]:
 
 
 @pytest.mark.parametrize(
-    "records", [PLAIN, CONVERSATIONAL, IMPLICIT, IMPLICIT_PLAIN], ids=["plain", "chat", "implicit", "implicit-plain"]
+    "records",
+    [PLAIN, CONVERSATIONAL, IMPLICIT, IMPLICIT_PLAIN, TEXT_PROMPT_BESIDE],
+    ids=["plain", "chat", "implicit", "implicit-plain", "text-prompt-beside"],
 )
 def test_pairs_are_tokenized_as_trl_tokenizes_them(tok, records, tmp_path):
     cfg = DataSection(path=_write(tmp_path / "p.jsonl", records), format="preference", max_length=64)
     rows, stats = build_dataset(cfg, tok)
     assert stats["rows"] == len(records) and stats["truncated"] == 0
-    assert _ours(rows) == _trl(tok, records, tmp_path)
+    # TRL's preparation takes a text prompt beside conversations as the whole prompt and fails: it is given
+    # the conversations alone, which hold that prompt (what its maybe_extract_prompt makes of such records)
+    assert _ours(rows) == _trl(tok, IMPLICIT if records is TEXT_PROMPT_BESIDE else records, tmp_path)
     assert all(len(ids) == 64 for row in rows for ids in row["input_ids"])
 
 
