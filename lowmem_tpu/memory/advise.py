@@ -47,7 +47,7 @@ def _checkpointing(st: Setting, s: Shape, layout: str) -> tuple[Setting, str, st
 
 
 def _chunked_loss(st: Setting, s: Shape, layout: str) -> tuple[Setting, str, str] | None:
-    if st.chunked_loss or st.fused_head or s.chunked_loss_refusal:
+    if st.preference or st.chunked_loss or st.fused_head or s.chunked_loss_refusal:
         return None
     text = "chunked loss (256 positions at a time: no whole [tokens, vocab] logits)"
     return replace(st, chunked_loss=True), text, "train.chunked_loss=true"
@@ -76,7 +76,7 @@ def _attention(st: Setting, s: Shape, layout: str) -> tuple[Setting, str, str] |
 
 
 def _fused_head(st: Setting, s: Shape, layout: str) -> tuple[Setting, str, str] | None:
-    if st.fused_head or st.chunked_loss:
+    if st.fused_head or st.chunked_loss or st.preference:  # DPO always runs TRL's LM head
         return None
     return replace(st, fused_head=True), "TRL's chunked LM head (no full logits)", "train.fused_lm_head=true"
 
@@ -150,6 +150,8 @@ def next_steps(s: Shape, plan: Plan) -> list[Step]:
 
 
 def _loss_kind(st: Setting) -> str:
+    if st.preference:
+        return "DPO: TRL's LM head, policy and reference"
     return "chunked loss" if st.chunked_loss else "TRL's fused head" if st.fused_head else "full logits"
 
 
@@ -299,12 +301,6 @@ def small_plan_note(plan: Plan) -> str | None:
         return (
             f"a TPU step under {gib(ROUGH_BELOW)} per chip is planned roughly (off by up to 4.5x: the compiler "
             "keeps small buffers in on-chip VMEM and has fixed costs); --compile gives the TPU compiler's own figure"
-        )
-    if plan.setting.preference:
-        return (
-            "a DPO step is planned as the SFT step of both rows of every pair: the TPU compiler keeps up to "
-            f"{UNCALIBRATED_MORE:.0%} more (the reference's forward pass, TRL's LM head); --compile gives its "
-            "own figure"
         )
     if not calibrated(plan.setting):
         return (

@@ -90,11 +90,9 @@ UNCALIBRATED_MORE = 0.81
 
 
 def calibrated(st: Setting) -> bool:
-    """Whether the layout was read off steps like this one: SFT (a DPO step adds the reference's forward pass and
-    TRL's LM head), every decoder layer recomputed, and (over several chips) one micro-batch per step (one chip:
-    the QLoRA recipes' 2 micro-batches are within 10%)."""
-    one_program = st.accumulation == 1 or st.devices == 1
-    return not st.preference and st.checkpointing and st.checkpoint_every == 1 and one_program
+    """Whether the layout was read off steps like this one: every decoder layer recomputed, and (over several
+    chips) one micro-batch per step (one chip: the QLoRA recipes' 2 micro-batches are within 10%)."""
+    return st.checkpointing and st.checkpoint_every == 1 and (st.accumulation == 1 or st.devices == 1)
 
 
 def _spread(st: Setting) -> str:
@@ -213,10 +211,19 @@ CHUNKED_LOSS_BLOCKS = 2
 TRAINED_HEAD_LOGITS = 2
 
 
+# A DPO step's [tokens, vocab] buffers (both rows of every pair), in units of the SFT step's one: TRL's LM head
+# for the policy (its fp32 log-probabilities kept for the backward pass) and for the reference pass. Read off
+# the TPU compiler's figures for the shipped DPO recipes: 3.4 more than the SFT plan's one for Llama 3.1 8B on
+# v5e-8, 2.8 more for Llama 3.2 3B on v5e-1 (docs/tpu_compile.json).
+PREFERENCE_LOGITS = 4
+
+
 def logits(s: Shape, st: Setting) -> int:
     """The loss's buffer: [tokens, vocab] in the compute dtype, or the chunked loss's blocks of it."""
     rows = CHUNKED_LOSS_BLOCKS * st.live_sequences * loss_block(st.length) if st.chunked_loss else st.tokens
     copies = TRAINED_HEAD_LOGITS if not st.lora and not st.chunked_loss and _spread(st) == "sharded" else 1
+    if st.preference:
+        copies = PREFERENCE_LOGITS
     return copies * rows * s.vocab * DTYPE_BYTES[st.dtype]
 
 

@@ -52,7 +52,7 @@ class XlaDPOTrainer(XlaTrainerMixin, DPOTrainer):
             return self._traced_loss(model, inputs)
         host = {key: torch.from_numpy(value) for key, value in inputs["host"].items()}  # trap ``dpo-on-the-host``
         policy = OnDevice(model, inputs, self.runtime)
-        reference = OnDevice(model, inputs, self.runtime, adapters=self.policy, reference=True)
+        reference = OnDevice(model, inputs, self.runtime, reference_of=self.policy)
         wrapper, self.model, self.ref_model = self.model, policy, reference
         try:
             result = DPOTrainer.compute_loss(self, policy, host, return_outputs)
@@ -86,21 +86,22 @@ class OnDevice(torch.nn.Module):
     """The model as TRL's loss calls it (trap ``dpo-on-the-host``): the forward pass on the devices, on the
     micro-batch they hold; host copies of its outputs back, differentiable.
 
-    ``reference``: the policy's adapters switched off (fresh adapters: the base), or TRL's frozen ``ref``
-    adapter where it keeps one (a run that starts from a trained adapter), as TRL's own reference pass."""
+    ``reference_of`` (the PEFT policy): its reference instead, TRL's way (``as_reference``)."""
 
-    def __init__(self, model: torch.nn.Module, inputs: dict[str, Any], runtime: rt.Runtime, **reference: Any):
+    def __init__(
+        self, model: torch.nn.Module, inputs: dict[str, Any], runtime: rt.Runtime, reference_of: Any = None
+    ) -> None:
         super().__init__()
         self.train(model.training)
         # Held outside nn.Module's registry: this view owns nothing and lives for one micro-batch.
-        vars(self).update(wrapped=model, inputs=inputs, runtime=runtime, adapters=reference.get("adapters"))
+        vars(self).update(wrapped=model, inputs=inputs, runtime=runtime, reference_of=reference_of)
 
     def forward(self, *, labels: torch.Tensor, **kwargs: Any) -> Any:
         from lowmem_tpu.xla.sharding import replicate
 
         device = self.inputs["input_ids"].device
         batch = {key: self.inputs[key] for key in ("input_ids", "attention_mask")}
-        with as_reference(self.adapters) if self.adapters is not None else contextlib.nullcontext():
+        with as_reference(self.reference_of) if self.reference_of is not None else contextlib.nullcontext():
             outputs = self.wrapped(**batch, labels=labels.to(device), use_cache=False, fused_lm_head=True)
         for value in outputs.values():
             replicate(value, self.runtime.mesh)  # a replicated tensor comes to the host without a compile

@@ -1,4 +1,4 @@
-"""Exact resume through the real CLI after a preemption (SIGTERM) or an interrupt (SIGINT), LoRA and full.
+"""Exact resume through the real CLI after a preemption (SIGTERM) or an interrupt (SIGINT), LoRA, full and DPO.
 
 What a SIGKILL leaves (inside a save, before a rename) is ``test_faults.py``'s; refused and damaged
 resumes, full disks and bad data are ``test_resume_checks.py``'s.
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from sft_cli import assert_no_token, losses, run, start
+from sft_cli import DPO, assert_no_token, losses, run, start
 
 pytestmark = pytest.mark.slow
 
@@ -26,8 +26,10 @@ def uninterrupted(tmp_path_factory) -> Path:
     return out
 
 
-def _stop_at_step_3(out: Path, signum: int, *extra: str) -> tuple[int, str, str]:
-    proc = start(out, *extra)
+def _stop_at_step_3(
+    out: Path, signum: int, *extra: str, command: tuple[str, ...] | None = None
+) -> tuple[int, str, str]:
+    proc = start(out, *extra, **({"command": command} if command else {}))
     for line in proc.stdout:
         if line.startswith("step 3/8"):
             proc.send_signal(signum)
@@ -112,3 +114,21 @@ def test_full_fine_tuning_resumes_exactly_from_a_save_between_logs(uninterrupted
     assert a.keys() == b.keys() and len(a) > 10
     for key in a:
         assert torch.allclose(a[key], b[key], atol=1e-6, rtol=0), key
+
+
+def test_a_dpo_run_stopped_by_sigterm_resumes_exactly(tmp_path):
+    """The preference trainer saves at the step boundary and resumes on the same losses (TRL's, read on the host)."""
+    whole = tmp_path / "whole"
+    assert run(whole, command=DPO).returncode == 0
+    out = tmp_path / "run"
+    code, stdout, stderr = _stop_at_step_3(out, signal.SIGTERM, command=DPO)
+    assert code == 143 and "Run the same command again to resume" in stdout, stderr[-3000:]
+    resumed = run(out, command=DPO)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from" in resumed.stdout
+    after, before = losses(out), losses(whole)
+    assert after and all(loss == before[step] for step, loss in after.items())  # the resumed steps', bit for bit
+    a = load_file(str(whole / "final" / "adapter_model.safetensors"))
+    b = load_file(str(out / "final" / "adapter_model.safetensors"))
+    assert all(torch.equal(a[key], b[key]) for key in a)
+    assert json.loads((out / "final" / "metrics.json").read_text())["compiles"]["after_warmup"] == 0

@@ -28,25 +28,23 @@ def env() -> dict[str, str]:
     return kept | {"PYTHONUNBUFFERED": "1", "HF_TOKEN": FAKE_TOKEN}
 
 
-def cmd(out: Path, *extra: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "lowmem_tpu.cli",
-        "sft",
-        "recipes/tiny_lora_cpu.yaml",
-        f"output_dir={out}",
-        *RUN,
-        *extra,
-    ]
+SFT = ("sft", "recipes/tiny_lora_cpu.yaml")
+DPO = ("dpo", "recipes/tiny_dpo_cpu.yaml", "preference.loss_type=sigmoid", "train.eval_steps=null")
 
 
-def run(out: Path, *extra: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(cmd(out, *extra), capture_output=True, text=True, env=env(), timeout=600)
+def cmd(out: Path, *extra: str, command: tuple[str, ...] = SFT) -> list[str]:
+    """``command``: the subcommand, its recipe and the overrides that make it this module's run."""
+    verb, recipe, *fixed = command
+    return [sys.executable, "-m", "lowmem_tpu.cli", verb, recipe, f"output_dir={out}", *RUN, *fixed, *extra]
 
 
-def start(out: Path, *extra: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(cmd(out, *extra), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env())
+def run(out: Path, *extra: str, command: tuple[str, ...] = SFT) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(cmd(out, *extra, command=command), capture_output=True, text=True, env=env(), timeout=600)
+
+
+def start(out: Path, *extra: str, command: tuple[str, ...] = SFT) -> subprocess.Popen[str]:
+    argv = cmd(out, *extra, command=command)
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env())
 
 
 def losses(out: Path) -> dict[int, float]:
