@@ -97,7 +97,7 @@ def _host_peak_rss() -> int:
     return 0
 
 
-def _trainer(recipe: Recipe, runtime: Any, model: Any, micro: int, callback: Any, traced: bool = False) -> Any:
+def _trainer(recipe: Recipe, runtime: Any, model: Any, micro: int, callback: Any) -> Any:
     """The trainer ``lowmem-tpu sft`` (or ``dpo``) builds, on synthetic rows of the recipe's shape."""
     from lowmem_tpu.train.preference import build_preference_trainer
     from lowmem_tpu.train.trainer import build_trainer
@@ -107,14 +107,10 @@ def _trainer(recipe: Recipe, runtime: Any, model: Any, micro: int, callback: Any
     if recipe.data.format != "preference":
         dataset = synthetic_dataset(recipe, vocab, rows)
         return build_trainer(recipe, runtime, model, dataset, any_tokenizer(recipe), micro, [callback])
-    if not traced:
-        raise UserError(
-            "data.format: preference: a DPO step runs three programs per micro-batch with TRL's loss on the "
-            "host between them, which --measure and compare do not read yet; `lowmem-tpu memory RECIPE "
-            "--compile --device TPU` compiles it for a TPU"
-        )
     dataset = synthetic_pairs(recipe, vocab, rows)
-    return build_preference_trainer(recipe, runtime, model, dataset, any_tokenizer(recipe), micro, [callback])
+    trainer = build_preference_trainer(recipe, runtime, model, dataset, any_tokenizer(recipe), micro, [callback])
+    trainer.one_program = True  # the DPO step as one program, the loss on the devices (XlaDPOTrainer)
+    return trainer
 
 
 def synthetic_pairs(recipe: Recipe, vocab_size: int, pairs: int) -> Any:
@@ -259,7 +255,7 @@ def _trace(recipe: Recipe, runtime: Any, micro: int, record: dict[str, Any], res
     # the model's placeholders only, while the optimizer state and master weights (``resident``) wait
     # in HBM for the optimizer's program after the last micro-batch.
     record["model_placeholders"], record["resident"] = record["placeholders"], []
-    trainer = _trainer(recipe, runtime, model, micro, _trace_hook(record, result), traced=True)
+    trainer = _trainer(recipe, runtime, model, micro, _trace_hook(record, result))
     if recipe.data.format == "preference":
         from lowmem_tpu.xla.sharding import fresh_placeholders
 

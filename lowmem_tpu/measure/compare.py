@@ -17,6 +17,7 @@ from lowmem_tpu.config import Recipe, with_overrides
 from lowmem_tpu.config.devices import DEVICES
 from lowmem_tpu.config.platform import on_tpu
 from lowmem_tpu.console import size
+from lowmem_tpu.errors import UserError
 from lowmem_tpu.measure import local
 from lowmem_tpu.memory.advise import plan_json
 from lowmem_tpu.memory.plan import Plan, plan_setting
@@ -99,6 +100,9 @@ def measure_beside_plan(recipe: Recipe) -> dict[str, Any]:
         "source": measured["source"],
         "compile_seconds": measured["compile_seconds"],
         "measured": measured,
+        # DPO: the policy's forward pass, the reference's and the backward pass compiled as one program (the
+        # run's three hold the same tensors; its loss is TRL's, on the host)
+        "step": "the DPO step as one program" if recipe.data.format == "preference" else "the real step",
     }
 
 
@@ -110,7 +114,7 @@ def format_measurement(m: dict[str, Any]) -> str:
         return f"measured ({where}): no figure: {why}"
     error = f"{100 * m['planner_error']:+.1f}%"
     return (
-        f"measured ({where}, the real step compiled in {m['compile_seconds']} s): "
+        f"measured ({where}, {m.get('step', 'the real step')} compiled in {m['compile_seconds']} s): "
         f"{size(m['measured_peak_bytes'])} per device; planned for the same ({m['layout']} layout): "
         f"{size(m['planned_peak_bytes'])} ({error})"
     )
@@ -127,6 +131,12 @@ def compare_recipe(recipe: Recipe, steps: int, out: Path) -> dict[str, Any]:
     from lowmem_tpu.xla.runtime import refuse_on_a_slice
 
     refuse_on_a_slice("lowmem-tpu compare", recipe.runtime.device)
+    if recipe.data.format == "preference":
+        raise UserError(
+            "compare sets LoRA beside full fine-tuning, and full-parameter DPO is not built (its reference would "
+            "be a second copy of the model): `lowmem-tpu memory RECIPE --measure` measures this DPO step, "
+            "`--compile --device TPU` compiles it for a TPU"
+        )
     config = require_config(recipe)
     shape = shape_of(config)
     target = DEVICES.get(recipe.runtime.target or "")

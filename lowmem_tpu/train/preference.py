@@ -34,6 +34,7 @@ class XlaDPOTrainer(XlaTrainerMixin, DPOTrainer):
     def __init__(self, *, fresh_adapters: bool = True, **kwargs: Any):
         super().__init__(data_collator=collate_pairs, **kwargs)
         self.policy = self.model  # the PEFT model (transformers' FSDP path makes self.model the wrapper)
+        self.one_program = False  # set where the step is measured, not trained (``measure.child``)
         if fresh_adapters and "ref" in getattr(self.policy, "peft_config", {}):
             self.policy.delete_adapter("ref")  # B = 0: the reference is the base, adapters switched off
 
@@ -48,8 +49,8 @@ class XlaDPOTrainer(XlaTrainerMixin, DPOTrainer):
         self.device_metrics.add(
             mode, tokens=inputs["attention_mask"].sum(), label_tokens=inputs["completion_mask"][:, 1:].sum()
         )
-        if self.placeholder_weights:
-            return self._traced_loss(model, inputs)
+        if self.placeholder_weights or self.one_program:
+            return self._one_program_loss(model, inputs)
         host = {key: torch.from_numpy(value) for key, value in inputs["host"].items()}  # trap ``dpo-on-the-host``
         policy = OnDevice(model, inputs, self.runtime)
         reference = OnDevice(model, inputs, self.runtime, reference_of=self.policy)
@@ -61,10 +62,10 @@ class XlaDPOTrainer(XlaTrainerMixin, DPOTrainer):
         device = inputs["input_ids"].device  # the Trainer's backward starts on the devices
         return (result[0].to(device), result[1]) if return_outputs else result.to(device)
 
-    def _traced_loss(self, model: torch.nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
-        """The step the TPU compiler sizes (``memory --compile``: placeholder weights, never trained): the
-        sigmoid DPO loss written on the devices, so that the policy's forward pass, the reference's and the
-        backward pass are one program. A run computes TRL's own loss on the host between those passes (trap
+    def _one_program_loss(self, model: torch.nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
+        """The step a compiler sizes (``memory --compile`` and ``--measure``, never a run): the sigmoid DPO loss
+        written on the devices, so that the policy's forward pass, the reference's and the backward pass are
+        one program. A run computes TRL's own loss on the host between those passes (trap
         ``dpo-on-the-host``); the tensors the devices hold are the same."""
         import torch.nn.functional as F
 

@@ -118,3 +118,16 @@ def test_a_dpo_run_starts_at_ln_2_and_compiles_nothing_after_warm_up(tmp_path):
     assert result["loss"] == pytest.approx(after["loss"], abs=1e-4)
     assert result["preference_accuracy"] == pytest.approx(after["preference_accuracy"], abs=1e-6)
     assert result["exact_match"] == after["exact_match"]
+
+
+def test_memory_measures_the_dpo_step_and_compare_says_why_it_has_no_twin():
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "lowmem_tpu.cli", *args, "recipes/tiny_dpo_cpu.yaml"]
+        return subprocess.run(command, capture_output=True, text=True, timeout=600)
+
+    measured = cli("memory", "--measure", "--device", "cpu")
+    assert measured.returncode == 0, measured.stderr[-2000:]
+    assert "the DPO step as one program compiled in" in measured.stdout
+    refused = cli("compare")
+    assert refused.returncode == 2 and "full-parameter DPO is not built" in refused.stderr
+    assert "Traceback" not in refused.stderr
