@@ -39,12 +39,19 @@ def run(command: str, recipe: str, out: Path, *overrides: str) -> dict:
 
 
 def table(result: dict) -> str:
+    from lowmem_tpu.config import load_recipe
+
     sft = result["sft"]
+    recipe = load_recipe(str(ROOT / "recipes" / "tiny_dpo_cpu.yaml"))
+    held_out = len((ROOT / "lowmem_tpu" / "assets" / "reverse" / "prefer_eval.jsonl").read_text().splitlines())
+    scored = held_out // recipe.train.global_batch_size * recipe.train.global_batch_size  # whole batches only
     lines = [
         f"`python benchmarks/dpo_demo.py` on the CPU backend (4 virtual devices): {result['sft_steps']} SFT steps "
         f"take held-out exact match from {sft['before']['exact_match']:.2f} to {sft['after']['exact_match']:.2f}; "
         f"DPO then starts from that adapter ({result['dpo_steps']} steps, beta {result['beta']}, the reference "
-        "a frozen copy of the SFT adapter). On the 200 held-out pairs:",
+        f"a frozen copy of the SFT adapter). Held out: preference accuracy and margin over {scored} pairs (the "
+        f"whole batches of {recipe.train.global_batch_size} of {held_out}), exact match over the first "
+        f"{recipe.train.eval_samples} prompts:",
         "",
         "| run | preference accuracy | reward margin | exact match | compiles after warm-up | seconds |",
         "|---|---|---|---|---|---|",

@@ -40,10 +40,12 @@ def main() -> int:
     if not on_tpu("auto"):
         print("benchmarks/tpu_step.py measures a TPU's step: run it on a TPU VM", file=sys.stderr)
         return 2
-    device = default_device(load_recipe(str(args.recipe), [*args.overrides, "runtime.target=null"]))  # the TPU here
+    recipe = load_recipe(str(args.recipe), [*args.overrides, "runtime.target=null"])
+    device = default_device(recipe)  # the TPU here
+    command = "dpo" if recipe.data.format == "preference" else "sft"  # a DPO recipe's step: its three programs
     out = OUT / args.recipe.stem
     run = [
-        sys.executable, "-m", "lowmem_tpu.cli", "sft", str(args.recipe), *args.overrides,
+        sys.executable, "-m", "lowmem_tpu.cli", command, str(args.recipe), *args.overrides,
         f"output_dir={out}", f"train.max_steps={args.steps}", f"train.logging_steps={max(args.steps // 6, 1)}",
         f"train.save_steps={args.steps * 10}", "train.eval_samples=0", "data.eval_fraction=0", "hub.push=false",
     ]  # fmt: skip

@@ -43,6 +43,8 @@ def cross_problems(recipe: Any) -> list[Problem]:
         )
         problems.append((("model.quantize", "lora.enabled"), message))
     lora = recipe.lora
+    if data.format == "preference":
+        problems += _preference_problems(recipe)
     if data.format == "preference" and data.packing:
         message = (
             "data.packing: preference pairs are not packed (each pair is two rows of data.max_length, chosen "
@@ -208,4 +210,28 @@ def _data_problems(data: Any) -> list[Problem]:
     if data.subset and (data.path.startswith(BUILTIN) or looks_local(data.path)):
         message = f"data.subset: {data.path} is a file; subsets (configurations) belong to Hub datasets"
         problems.append((("data.subset", "data.path"), message))
+    return problems
+
+
+def _preference_problems(recipe: Any) -> list[Problem]:
+    """A DPO recipe's settings that would give it a wrong reference or a loss TRL refuses."""
+    problems: list[Problem] = []
+    init = str(recipe.lora.init_lora_weights)
+    if recipe.lora.enabled and not recipe.model.adapter and (init.startswith(("pissa", "olora")) or init == "False"):
+        message = (
+            f"lora.init_lora_weights: {init} starts the adapters away from zero (PiSSA/OLoRA also rewrite the base "
+            "to a residual), and a DPO run's reference is the base with the adapters switched off: it would not be "
+            "the model training starts from; use true or gaussian (B = 0)"
+        )
+        problems.append((("lora.init_lora_weights", "data.format"), message))
+    if recipe.train.chunked_loss:
+        message = (
+            "train.chunked_loss: a DPO run always computes its log-probabilities with TRL's LM head; set "
+            "train.chunked_loss: false"
+        )
+        problems.append((("train.chunked_loss", "data.format"), message))
+    p = recipe.preference
+    if "exo_pair" in p.loss_type and p.label_smoothing == 0:
+        message = "preference.label_smoothing: loss exo_pair needs it above 0 (the EXO paper uses 1e-3)"
+        problems.append((("preference.label_smoothing", "preference.loss_type"), message))
     return problems

@@ -43,8 +43,9 @@ def evaluate_directory(
     from lowmem_tpu.publish.base import read_recipe_data
     from lowmem_tpu.xla import runtime as rt
 
-    kind_of(Path(directory))
+    kind = kind_of(Path(directory))
     saved = read_recipe_data(Path(directory))
+    _check_preference(saved, kind, directory, fmt)
     n = samples if samples is not None else (saved.get("train", {}).get("eval_samples") or DEFAULT_SAMPLES)
     with tempfile.TemporaryDirectory(prefix="lowmem-eval-") as out:
         recipe = _recipe(saved, Path(directory), data, fmt, split, out)
@@ -62,6 +63,24 @@ def evaluate_directory(
         return _score(recipe, runtime, trained, rows, prompts, micro) | {"data": data, "rows": stats["rows"]}
 
 
+def _check_preference(saved: dict[str, Any], kind: str, directory: Path, fmt: str | None) -> None:
+    """A DPO run is scored against its reference, the base under its adapters: refused, before any weight
+    loads, where that reference is not there to be had."""
+    if (fmt or saved.get("data", {}).get("format")) != "preference":
+        return
+    started_from = saved.get("model", {}).get("adapter")
+    if kind != "adapter":
+        raise UserError(
+            f"{directory} is a merged model: preference scores compare it with its reference, the base under the "
+            "adapters, which merging removed; evaluate the run's adapter directory (final/) instead"
+        )
+    if started_from:
+        raise UserError(
+            f"this DPO run started from {started_from}, its reference: eval scores preference runs against the "
+            "base (runs from fresh adapters) only; the run's own metrics.json has its held-out scores"
+        )
+
+
 def _score(recipe: Any, runtime: Any, trained: Any, rows: Any, prompts: list, micro: int) -> dict[str, Any]:
     from lowmem_tpu.data.chat import ending
     from lowmem_tpu.evaluate import greedy_exact_match
@@ -72,11 +91,6 @@ def _score(recipe: Any, runtime: Any, trained: Any, rows: Any, prompts: list, mi
 
     model, tokenizer = trained.model, trained.tokenizer
     pairs = recipe.data.format == "preference"
-    if pairs and recipe.model.adapter:
-        raise UserError(
-            f"this DPO run started from {recipe.model.adapter}, its reference: eval scores preference runs "
-            "against the base (runs from fresh adapters) only; the run's own metrics.json has its held-out scores"
-        )
     place_parameters(model, runtime, recipe.sharding.strategy)
     build = build_preference_trainer if pairs else build_trainer
     trainer = build(recipe, runtime, model, rows, tokenizer, micro, [], eval_dataset=rows)

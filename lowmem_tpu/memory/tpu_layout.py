@@ -220,10 +220,10 @@ PREFERENCE_LOGITS = 4
 
 def logits(s: Shape, st: Setting) -> int:
     """The loss's buffer: [tokens, vocab] in the compute dtype, or the chunked loss's blocks of it."""
+    if st.preference:
+        return PREFERENCE_LOGITS * st.tokens * s.vocab * DTYPE_BYTES[st.dtype]
     rows = CHUNKED_LOSS_BLOCKS * st.live_sequences * loss_block(st.length) if st.chunked_loss else st.tokens
     copies = TRAINED_HEAD_LOGITS if not st.lora and not st.chunked_loss and _spread(st) == "sharded" else 1
-    if st.preference:
-        copies = PREFERENCE_LOGITS
     return copies * rows * s.vocab * DTYPE_BYTES[st.dtype]
 
 

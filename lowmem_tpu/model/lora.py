@@ -66,7 +66,7 @@ def _from_adapter(model: Any, recipe: Recipe, weightless: bool) -> Any:
             peft = get_peft_model(model, LoraConfig.from_pretrained(source), autocast_adapter_dtype=autocast)
         else:
             peft = PeftModel.from_pretrained(model, source, is_trainable=True, autocast_adapter_dtype=autocast)
-    except (OSError, ValueError, KeyError) as err:
+    except (OSError, ValueError, KeyError, RuntimeError) as err:  # RuntimeError: shapes of another base
         raise UserError(
             f"model.adapter: {source} could not be loaded on {recipe.model.name_or_path} ({err}); give a run's "
             "final/ or a PEFT LoRA adapter made for this base"

@@ -37,6 +37,10 @@ class XlaDPOTrainer(XlaTrainerMixin, DPOTrainer):
         self.one_program = False  # set where the step is measured, not trained (``measure.child``)
         if fresh_adapters and "ref" in getattr(self.policy, "peft_config", {}):
             self.policy.delete_adapter("ref")  # B = 0: the reference is the base, adapters switched off
+        elif self.recipe.lora.dtype == "model":  # TRL's ref copy is made in fp32: the policy's dtype, as it was
+            from lowmem_tpu.model.lora import in_base_dtype, model_dtype
+
+            in_base_dtype(self.policy, model_dtype(self.recipe))
 
     def _prepare_dataset(self, dataset: Any, *args: Any, **kwargs: Any) -> Any:
         return dataset  # rows made by lowmem_tpu.data.preference

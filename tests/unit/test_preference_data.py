@@ -178,3 +178,20 @@ def test_sft_data_given_to_dpo_and_pairs_given_to_sft_exit_2(tmp_path):
     full = command_cli("dpo", "recipes/tiny_lora_cpu.yaml", *pairs, "lora.enabled=false")
     assert full.returncode == 2 and "full-parameter DPO" in full.stderr
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["lora.init_lora_weights=pissa"], "would not be the model training starts from"),
+        (["train.chunked_loss=true"], "TRL's LM head"),
+        (["preference.loss_type=exo_pair"], "needs it above 0"),
+        (["data.packing=true"], "pairs are not packed"),
+    ],
+    ids=["pissa", "chunked-loss", "exo-pair", "packing"],
+)
+def test_a_dpo_recipe_that_would_train_against_a_wrong_reference_or_crash_in_trl_is_refused(overrides, expected):
+    from lowmem_tpu.config import RecipeError, load_recipe
+
+    with pytest.raises(RecipeError, match=expected):
+        load_recipe("recipes/tiny_dpo_cpu.yaml", overrides)
