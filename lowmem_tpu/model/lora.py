@@ -63,7 +63,9 @@ def _from_adapter(model: Any, recipe: Recipe, weightless: bool) -> Any:
     source, autocast = recipe.model.adapter, recipe.lora.dtype == "float32"
     try:
         if weightless:
-            peft = get_peft_model(model, LoraConfig.from_pretrained(source), autocast_adapter_dtype=autocast)
+            config = LoraConfig.from_pretrained(source)
+            config.inference_mode = False  # a saved adapter's config says inference: trained here
+            peft = get_peft_model(model, config, autocast_adapter_dtype=autocast)
         else:
             peft = PeftModel.from_pretrained(model, source, is_trainable=True, autocast_adapter_dtype=autocast)
     except (OSError, ValueError, KeyError, RuntimeError) as err:  # RuntimeError: shapes of another base

@@ -1,7 +1,8 @@
 """``lowmem-tpu dpo`` against TRL itself: on the same tiny model, pairs and LoRA weights, the loss and rewards
 the XLA step computes (4 virtual devices, FSDP, the rows at their static shape) equal TRL's DPOTrainer on plain
-CPU PyTorch (its own tokenization and padding) within 1e-4; a run from fresh adapters starts at ln 2 with
-every reward 0, compiles nothing after warm-up, and writes an adapter that is merged and carded as any run's."""
+CPU PyTorch (its own tokenization and padding) within 1e-4, and so do the adapters' gradients; a run from fresh
+adapters starts at ln 2 with every reward 0, compiles nothing after warm-up, and writes an adapter that is
+merged and carded as any run's."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from tiny_models import make_adapter, make_base
 
 from lowmem_tpu.config.assets import ASSETS
@@ -65,7 +67,10 @@ def _xla_step(base: Path, adapter: Path, pairs: int, beta: float, losses: str, o
     wrapped.train()
     loss = trainer.compute_loss(wrapped, batch)
     assert isinstance(loss, torch.Tensor) and loss.device.type == "xla"
-    return {"loss": loss.item(), **{key: values[-1] for key, values in trainer._metrics["train"].items()}}
+    loss.backward()  # through the host copies, back onto the devices
+    grads = {name: p.grad.cpu() for name, p in trainer.names.params.items() if p.requires_grad}  # clean names
+    metrics = {key: values[-1] for key, values in trainer._metrics["train"].items()}
+    return {"loss": loss.item(), **metrics, "grads": grads}
 
 
 @pytest.mark.parametrize("losses", ["sigmoid", "sigmoid,sft", "ipo"])
@@ -77,6 +82,12 @@ def test_the_xla_step_computes_trls_loss_and_rewards(tmp_path, losses):
     assert abs(trl["rewards/margins"]) > 1e-3  # a batch where policy and reference differ
     for key in COMPARED:
         assert ours[key] == pytest.approx(trl[key], abs=1e-4), key
+    from safetensors.torch import load_file
+
+    expected = load_file(str(tmp_path / "trl.json.grads.safetensors"))
+    assert sorted(ours["grads"]) == sorted(expected) and expected
+    for name, grad in expected.items():  # every adapter's gradient, as TRL computes it
+        assert torch.allclose(ours["grads"][name], grad, atol=1e-5, rtol=1e-3), name
 
 
 @pytest.mark.slow

@@ -1,4 +1,5 @@
-"""TRL's DPOTrainer on plain CPU PyTorch (no XLA): the loss and metrics of one batch, as JSON.
+"""TRL's DPOTrainer on plain CPU PyTorch (no XLA): the loss and metrics of one batch, as JSON, and the
+adapters' gradients as OUT.json.grads.safetensors.
 
     USE_TORCH_XLA=0 python tests/helpers/dpo_reference.py BASE ADAPTER DATA PAIRS BETA LOSSES OUT.json
 
@@ -15,7 +16,7 @@ import sys
 import datasets
 import torch
 from peft import LoraConfig, set_peft_model_state_dict
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import DPOConfig, DPOTrainer
 
@@ -33,14 +34,18 @@ def main(base: str, adapter: str, data: str, pairs: str, beta: str, losses: str,
         output_dir=f"{out}.trainer", use_cpu=True, report_to=[], beta=float(beta), loss_type=losses.split(","),
         per_device_train_batch_size=int(pairs), max_length=None,
     )  # fmt: skip
+    lora = LoraConfig.from_pretrained(adapter)
+    lora.inference_mode = False  # a saved adapter's config says inference: trained here, as the policy
     trainer = DPOTrainer(
-        model=model, args=args, train_dataset=records, processing_class=tokenizer,
-        peft_config=LoraConfig.from_pretrained(adapter),
+        model=model, args=args, train_dataset=records, processing_class=tokenizer, peft_config=lora,
     )  # fmt: skip
     set_peft_model_state_dict(trainer.model, load_file(f"{adapter}/adapter_model.safetensors"))
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(int(pairs))])
     trainer.model.train()
     loss = trainer.compute_loss(trainer.model, batch)
+    loss.backward()
+    grads = {name: p.grad for name, p in trainer.model.named_parameters() if p.requires_grad}
+    save_file({name: g.contiguous() for name, g in grads.items()}, f"{out}.grads.safetensors")
     metrics = {key: values[-1] for key, values in trainer._metrics["train"].items()}
     with open(out, "w") as f:
         json.dump({"loss": loss.item(), **metrics}, f)
