@@ -22,9 +22,8 @@ import torch
 from trl import DPOTrainer
 
 from lowmem_tpu.data.preference import collate_pairs
-from lowmem_tpu.model.names import ParamNames
 from lowmem_tpu.train.args import preference_args
-from lowmem_tpu.train.trainer import XlaTrainerMixin
+from lowmem_tpu.train.trainer import XlaTrainerMixin, trainer_kwargs
 from lowmem_tpu.xla import runtime as rt
 
 
@@ -132,25 +131,9 @@ def build_preference_trainer(
     tokenizer: Any,
     micro_batch: int,
     callbacks: list[Any],
-    *,
-    eval_dataset: Any = None,
-    flops_per_token: float | None = None,
-    planned_bytes: int | None = None,
-    base_reference: str | None = None,
+    **extra: Any,
 ) -> XlaDPOTrainer:
     """The DPO trainer of a run, on a model already placed on the devices (``build_trainer``'s twin)."""
-    return XlaDPOTrainer(
-        fresh_adapters=recipe.model.adapter is None,
-        recipe=recipe,
-        runtime=runtime,
-        names=ParamNames(model),
-        flops_per_token=flops_per_token,
-        planned_bytes=planned_bytes,
-        base_reference=base_reference,
-        model=model,
-        args=preference_args(recipe, micro_batch),
-        train_dataset=train_dataset,
-        eval_dataset=eval_dataset,
-        processing_class=tokenizer,
-        callbacks=callbacks,
-    )
+    kwargs = trainer_kwargs(recipe, runtime, model, train_dataset, tokenizer, callbacks, **extra)
+    args = preference_args(recipe, micro_batch)
+    return XlaDPOTrainer(fresh_adapters=recipe.model.adapter is None, args=args, **kwargs)

@@ -78,27 +78,41 @@ def build_trainer(
     tokenizer: Any,
     micro_batch: int,
     callbacks: list[TrainerCallback],
+    **extra: Any,
+) -> XlaSFTTrainer:
+    """The trainer of a run (and of the memory measurement), on a model already placed on the devices;
+    ``extra``: :func:`trainer_kwargs`'s keywords."""
+    kwargs = trainer_kwargs(recipe, runtime, model, train_dataset, tokenizer, callbacks, **extra)
+    return XlaSFTTrainer(args=training_args(recipe, micro_batch), **kwargs)
+
+
+def trainer_kwargs(
+    recipe: Recipe,
+    runtime: rt.Runtime,
+    model: torch.nn.Module,
+    train_dataset: Any,
+    tokenizer: Any,
+    callbacks: list[TrainerCallback],
     *,
     eval_dataset: Any = None,
     flops_per_token: float | None = None,
     planned_bytes: int | None = None,
     base_reference: str | None = None,
-) -> XlaSFTTrainer:
-    """The trainer of a run (and of the memory measurement), on a model already placed on the devices."""
-    return XlaSFTTrainer(
-        recipe=recipe,
-        runtime=runtime,
-        names=ParamNames(model),
-        flops_per_token=flops_per_token,
-        planned_bytes=planned_bytes,
-        base_reference=base_reference,
-        model=model,
-        args=training_args(recipe, micro_batch),
-        train_dataset=train_dataset,
-        eval_dataset=eval_dataset,
-        processing_class=tokenizer,
-        callbacks=callbacks,
-    )
+) -> dict[str, Any]:
+    """What every trainer of a run takes besides its TRL config: :class:`XlaTrainerMixin`'s and the Trainer's."""
+    return {
+        "recipe": recipe,
+        "runtime": runtime,
+        "names": ParamNames(model),
+        "flops_per_token": flops_per_token,
+        "planned_bytes": planned_bytes,
+        "base_reference": base_reference,
+        "model": model,
+        "train_dataset": train_dataset,
+        "eval_dataset": eval_dataset,
+        "processing_class": tokenizer,
+        "callbacks": callbacks,
+    }
 
 
 class XlaTrainerMixin:
