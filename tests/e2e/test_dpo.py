@@ -24,15 +24,21 @@ HELPERS = Path(__file__).resolve().parents[1] / "helpers"
 COMPARED = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen")
 
 
-def _trl_on_the_cpu(base: Path, adapter: Path, pairs: int, beta: float, losses: str, out: Path) -> dict:
+def _trl_on_the_cpu(
+    base: Path, adapter: Path, pairs: int, beta: float, losses: str, out: Path, start: Path | None = None
+) -> dict:
     env = {**os.environ, "USE_TORCH_XLA": "0", "PJRT_DEVICE": "", "HF_HUB_OFFLINE": "1"}
     command = [sys.executable, str(HELPERS / "dpo_reference.py"), str(base), str(adapter), str(PAIRS)]
-    subprocess.run([*command, str(pairs), str(beta), losses, str(out)], env=env, check=True, timeout=300)
+    command += [str(pairs), str(beta), losses, str(out), *([str(start)] if start else [])]
+    subprocess.run(command, env=env, check=True, timeout=300)
     return json.loads(out.read_text())
 
 
-def _xla_step(base: Path, adapter: Path, pairs: int, beta: float, losses: str, out: Path) -> dict:
-    """One XlaDPOTrainer loss on the devices, the policy ``adapter`` on ``base``, the reference the base."""
+def _xla_step(
+    base: Path, adapter: Path, pairs: int, beta: float, losses: str, out: Path, start: Path | None = None
+) -> dict:
+    """One XlaDPOTrainer loss on the devices, the policy ``adapter`` on ``base``; the reference the base, or
+    with ``start`` the frozen copy of that adapter TRL makes (the policy then moved to ``adapter``'s weights)."""
     import torch
 
     from lowmem_tpu import data
@@ -45,7 +51,7 @@ def _xla_step(base: Path, adapter: Path, pairs: int, beta: float, losses: str, o
     from lowmem_tpu.xla.runtime import configure_environment, setup_runtime
     from lowmem_tpu.xla.sharding import place_parameters
 
-    overrides = [f"model.name_or_path={base}", "model.random_init=false", f"model.adapter={adapter}"]
+    overrides = [f"model.name_or_path={base}", "model.random_init=false", f"model.adapter={start or adapter}"]
     overrides += [f"output_dir={out}", f"train.global_batch_size={pairs}", f"preference.beta={beta}"]
     overrides += ["train.eval_steps=null", "data.eval_path=null", "train.eval_samples=0"]
     recipe = load_recipe("recipes/tiny_dpo_cpu.yaml", [*overrides, f"preference.loss_type=[{losses}]"])
@@ -57,10 +63,15 @@ def _xla_step(base: Path, adapter: Path, pairs: int, beta: float, losses: str, o
     policy = m.apply_lora(m.build_base_model(recipe.model), recipe)
     place_parameters(policy, runtime, recipe.sharding.strategy)
     trainer = XlaDPOTrainer(
-        fresh_adapters=True,  # the reference: the base, as TRL's with a fresh PEFT model
+        fresh_adapters=start is None,  # the reference: the base, as TRL's with a fresh PEFT model
         recipe=recipe, runtime=runtime, names=ParamNames(policy), model=policy,
         args=preference_args(recipe, pairs), train_dataset=rows, processing_class=tokenizer,
     )  # fmt: skip
+    if start:  # the policy moved away from the adapter it started from (and TRL's frozen copy of it)
+        from safetensors.torch import load_file
+
+        for key, value in load_file(str(adapter / "adapter_model.safetensors")).items():
+            trainer.names.params[trainer.names.adapter_keys[key]].data.copy_(value.to(runtime.device))
     batch = collate_pairs([rows[i] for i in range(pairs)])
     batch |= {key: batch[key].to(runtime.device) for key in PAIR_COLUMNS}
     wrapped = trainer.fsdp_model
@@ -142,3 +153,15 @@ def test_memory_measures_the_dpo_step_and_compare_says_why_it_has_no_twin():
     refused = cli("compare")
     assert refused.returncode == 2 and "full-parameter DPO is not built" in refused.stderr
     assert "Traceback" not in refused.stderr
+
+
+def test_a_run_from_a_trained_adapter_compares_with_its_frozen_copy_as_trl_does(tmp_path):
+    """The SFT -> DPO pipeline (``model.adapter``): the reference is TRL's frozen copy of the starting adapter."""
+    base = make_base(tmp_path / "base")
+    start = make_adapter(base, tmp_path / "start", r=4, seed=1)
+    moved = make_adapter(base, tmp_path / "moved", r=4, seed=2)  # where the policy has gone since
+    trl = _trl_on_the_cpu(base, moved, 8, 0.5, "sigmoid", tmp_path / "trl.json", start=start)
+    ours = _xla_step(base, moved, 8, 0.5, "sigmoid", tmp_path / "run", start=start)
+    assert abs(trl["rewards/margins"]) > 1e-3  # the policy is not its reference
+    for key in COMPARED:
+        assert ours[key] == pytest.approx(trl[key], abs=1e-4), key

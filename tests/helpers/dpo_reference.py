@@ -1,7 +1,7 @@
 """TRL's DPOTrainer on plain CPU PyTorch (no XLA): the loss and metrics of one batch, as JSON, and the
 adapters' gradients as OUT.json.grads.safetensors.
 
-    USE_TORCH_XLA=0 python tests/helpers/dpo_reference.py BASE ADAPTER DATA PAIRS BETA LOSSES OUT.json
+    USE_TORCH_XLA=0 python tests/helpers/dpo_reference.py BASE ADAPTER DATA PAIRS BETA LOSSES OUT.json [START]
 
 The policy is BASE with the LoRA adapter ADAPTER (TRL builds the PEFT model from the adapter's config, the
 adapter's weights are then loaded); the reference is BASE with the adapters switched off, TRL's own way.
@@ -15,7 +15,7 @@ import sys
 
 import datasets
 import torch
-from peft import LoraConfig, set_peft_model_state_dict
+from peft import LoraConfig, PeftModel, set_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import DPOConfig, DPOTrainer
@@ -24,7 +24,9 @@ from lowmem_tpu.config import DataSection
 from lowmem_tpu.data import set_chat_template
 
 
-def main(base: str, adapter: str, data: str, pairs: str, beta: str, losses: str, out: str) -> None:
+def main(base: str, adapter: str, data: str, pairs: str, beta: str, losses: str, out: str, start: str = "") -> None:
+    """``start``: an adapter the run starts from (TRL's frozen ``ref`` copy of it is the reference), the policy
+    then moved to ``adapter``'s weights; without it the reference is the base, adapters switched off."""
     tokenizer = AutoTokenizer.from_pretrained(base)
     set_chat_template(tokenizer, DataSection(format="preference"))  # the template a run trains with
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.unk_token
@@ -34,11 +36,15 @@ def main(base: str, adapter: str, data: str, pairs: str, beta: str, losses: str,
         output_dir=f"{out}.trainer", use_cpu=True, report_to=[], beta=float(beta), loss_type=losses.split(","),
         per_device_train_batch_size=int(pairs), max_length=None,
     )  # fmt: skip
-    lora = LoraConfig.from_pretrained(adapter)
-    lora.inference_mode = False  # a saved adapter's config says inference: trained here, as the policy
-    trainer = DPOTrainer(
-        model=model, args=args, train_dataset=records, processing_class=tokenizer, peft_config=lora,
-    )  # fmt: skip
+    if start:  # a PEFT model handed over: TRL copies its adapter into the frozen "ref" one
+        model = PeftModel.from_pretrained(model, start, is_trainable=True)
+        trainer = DPOTrainer(model=model, args=args, train_dataset=records, processing_class=tokenizer)
+    else:
+        lora = LoraConfig.from_pretrained(adapter)
+        lora.inference_mode = False  # a saved adapter's config says inference: trained here, as the policy
+        trainer = DPOTrainer(
+            model=model, args=args, train_dataset=records, processing_class=tokenizer, peft_config=lora,
+        )  # fmt: skip
     set_peft_model_state_dict(trainer.model, load_file(f"{adapter}/adapter_model.safetensors"))
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(int(pairs))])
     trainer.model.train()
