@@ -68,7 +68,7 @@ def _ended(tokenizer: Any, ids: list[int]) -> list[int]:
     return ids if ids[-1:] == [tokenizer.eos_token_id] else [*ids, tokenizer.eos_token_id]
 
 
-def _led_by_bos(tokenizer: Any, ids: list[int]) -> list[int]:
+def led_by_bos(tokenizer: Any, ids: list[int]) -> list[int]:
     """A rendered conversation's ids starting with the BOS the tokenizer puts before every text, as the
     base was pretrained (a template that writes it keeps its own; ``templates`` makes saved ones write it)."""
     bos = _bos(tokenizer)
@@ -146,7 +146,7 @@ def _chat_sample(ids: list[list[int]], cfg: DataSection, tokenizer: Any, where: 
     """Each turn's tokens are those past where the tokens of the text cut at its start stop matching the
     whole text's, up to where those of the text cut at its end do: a token that joins the prompt's last
     characters to the content is trained, as in alpaca."""
-    tokens, *cuts = (_led_by_bos(tokenizer, part) for part in ids)
+    tokens, *cuts = (led_by_bos(tokenizer, part) for part in ids)
     if not cfg.mask_prompt:
         return tokens, list(tokens)
     labels = [IGNORE_INDEX] * len(tokens)
@@ -250,7 +250,7 @@ def _rendered_answer(
     text = render(tokenizer, prompt, True, where)
     whole = render(tokenizer, conversation, False, where)
     turn = locate(tokenizer, conversation, whole, len(conversation) - 1, where)
-    return _led_by_bos(tokenizer, _tokenize(tokenizer, [text])[0]), whole[turn.start : turn.content_end]
+    return led_by_bos(tokenizer, _tokenize(tokenizer, [text])[0]), whole[turn.start : turn.content_end]
 
 
 # --------------------------------------------------------------------------- prompts for generation
@@ -271,6 +271,6 @@ def generation_prompt(tokenizer: Any, fmt: str | None, messages: list[dict[str, 
     """
     fmt = prompt_style(fmt)
     if fmt == "chat":
-        return _led_by_bos(tokenizer, _tokenize(tokenizer, [render(tokenizer, messages, True, "the prompt")])[0])
+        return led_by_bos(tokenizer, _tokenize(tokenizer, [render(tokenizer, messages, True, "the prompt")])[0])
     text = messages[-1]["content"]
     return _bos(tokenizer) + _tokenize(tokenizer, [alpaca_prompt(text) if fmt == "alpaca" else text])[0]

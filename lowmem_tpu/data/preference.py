@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import lowmem_tpu.data.fields as fields
 from lowmem_tpu.config import DataSection
-from lowmem_tpu.data.chat import bos_ids, common_prefix, render
+from lowmem_tpu.data.chat import common_prefix, render
+from lowmem_tpu.data.formats import led_by_bos
 from lowmem_tpu.data.loading import DataError, length_percentiles
 
 if TYPE_CHECKING:
@@ -87,9 +88,7 @@ def _texts(record: dict[str, Any], cfg: DataSection, tokenizer: Any, where: str)
 def _pair(ids: list[list[int]], tokenizer: Any) -> Pair:
     """(prompt, chosen, rejected) ids: each text led by the BOS the tokenizer puts first (as TRL's tokenization
     with special tokens, or a template that writes it), the completions from where the texts part."""
-    bos = list(bos_ids(tokenizer))
-    led = [part if not bos or part[: len(bos)] == bos else bos + part for part in ids]
-    prompt, chosen, rejected = led
+    prompt, chosen, rejected = (led_by_bos(tokenizer, part) for part in ids)
     start = min(common_prefix(prompt, chosen), common_prefix(prompt, rejected))
     return prompt[:start], chosen[start:], rejected[start:]
 

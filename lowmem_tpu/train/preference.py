@@ -41,6 +41,8 @@ class XlaDPOTrainer(XlaTrainerMixin, DPOTrainer):
 
             in_base_dtype(self.policy, model_dtype(self.recipe))
 
+    base_log = DPOTrainer.log  # TRL's: the rewards, margins and accuracies it averaged
+
     def _prepare_dataset(self, dataset: Any, *args: Any, **kwargs: Any) -> Any:
         return dataset  # rows made by lowmem_tpu.data.preference
 
@@ -79,11 +81,6 @@ class XlaDPOTrainer(XlaTrainerMixin, DPOTrainer):
             reference = model(**batch, use_cache=False, fused_lm_head=True).log_probs.sum(-1)
         chosen, rejected = (policy - reference).chunk(2)
         return -F.logsigmoid(self.beta * (chosen - rejected)).mean()
-
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        mode = "eval" if any(k.startswith("eval_") for k in logs) else "train"
-        logs.update(self.device_metrics.figures(mode, self.state.global_step))
-        DPOTrainer.log(self, logs, start_time)  # TRL's: the rewards, margins and accuracies it averaged
 
 
 class OnDevice(torch.nn.Module):

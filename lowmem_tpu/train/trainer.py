@@ -242,10 +242,14 @@ class XlaTrainerMixin:
         """The wrapped model (wrapping it now if training has not started)."""
         return self._wrap_model(self.model, training=False)
 
+    # The log that receives the device figures: transformers' (not SFT's TRL one: trap ``per-step-item``); the
+    # DPO trainer's is TRL's, which averages the metrics its loss read on the host (trap ``dpo-on-the-host``).
+    base_log = Trainer.log
+
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         mode = "eval" if any(k.startswith("eval_") for k in logs) else "train"
         logs.update(self.device_metrics.figures(mode, self.state.global_step))
-        Trainer.log(self, logs, start_time)  # not the TRL trainer's (trap ``per-step-item``)
+        type(self).base_log(self, logs, start_time)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         raise RuntimeError(
