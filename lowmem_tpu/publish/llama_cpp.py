@@ -1,0 +1,45 @@
+"""llama.cpp itself reading a GGUF file (``llama-cpp-python``, the ``gguf`` extra): its tokenizer's ids and its
+logits on the check prompts, computed on the CPU. Absent the package, ``export`` says the check was not run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def available() -> bool:
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def load(path: Path, context: int) -> Any:
+    """The model in ``path`` with logits kept for every position; quiet unless it fails to load."""
+    from llama_cpp import Llama
+
+    from lowmem_tpu.errors import UserError
+
+    try:
+        return Llama(model_path=str(path), logits_all=True, n_ctx=max(context, 16), verbose=False, n_threads=2)
+    except ValueError as err:
+        raise UserError(f"llama.cpp does not load {path.name} ({err}); nothing was written") from None
+
+
+def tokenize(model: Any, text: str, add_bos: bool) -> list[int]:
+    return model.tokenize(text.encode("utf-8"), add_bos=add_bos, special=True)
+
+
+def logits(model: Any, rows: list[Any]) -> list[Any]:
+    """llama.cpp's float32 logits of each row of token ids, as a [1, length, vocab] tensor like transformers'."""
+    import numpy as np
+    import torch
+
+    out = []
+    for row in rows:
+        ids = row[0].tolist()
+        model.reset()
+        model.eval(ids)
+        out.append(torch.from_numpy(np.array(model.scores[: len(ids)], dtype=np.float32)).unsqueeze(0))
+    return out
