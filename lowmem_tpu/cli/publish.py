@@ -13,25 +13,66 @@ from lowmem_tpu.errors import UserError
 
 @app.command()
 def export(
-    checkpoint: Annotated[
-        Path, typer.Argument(help="A training checkpoint (output_dir/checkpoints/step-N).", show_default=False)
+    source: Annotated[
+        Path,
+        typer.Argument(
+            help="A training checkpoint (output_dir/checkpoints/step-N); with --gguf, a finished run, its final/ "
+            "(an adapter is merged first) or a model directory.",
+            show_default=False,
+        ),
     ],
     out: Annotated[
-        Path | None, typer.Option("--out", help="Where the adapter or model goes (default: CHECKPOINT-export).")
+        Path | None,
+        typer.Option("--out", help="Where it goes (default: CHECKPOINT-export; with --gguf, RUN/gguf or SOURCE-gguf)."),
     ] = None,
+    gguf: Annotated[
+        str | None,
+        typer.Option(
+            "--gguf",
+            help="Write GGUF files for llama.cpp, Ollama and LM Studio: f32, f16, bf16, q8_0 (comma-separated), "
+            "each read back by transformers and llama.cpp before it is kept.",
+        ),
+    ] = None,
+    vllm: Annotated[
+        bool, typer.Option("--vllm", help="Check that vLLM's LoRA loader takes the adapter; print how to serve it.")
+    ] = False,
+    force: Annotated[bool, typer.Option("--force", help="With --gguf: replace a non-empty --out.")] = False,
 ) -> None:
-    """Turn a (sharded) training checkpoint into the adapter or model final/ would hold, for merge, generate, push."""
+    """Turn a training checkpoint into the adapter or model final/ would hold; or a finished run into GGUF files
+    (--gguf) and check its adapter for vLLM (--vllm)."""
+    if vllm and gguf is None:
+        from lowmem_tpu.publish.gguf_export import resolve_source
+        from lowmem_tpu.publish.vllm import vllm_problems, vllm_summary
+
+        directory, kind = resolve_source(source)
+        if kind != "adapter":
+            raise UserError(f"{directory} holds a full model, not a LoRA adapter: serve it with vllm serve {directory}")
+        typer.echo(vllm_summary(directory))
+        if vllm_problems(directory):
+            raise typer.Exit(2)
+        return
+    if gguf is not None:
+        from lowmem_tpu.publish.gguf_export import default_out, export_gguf, parse_types, summary
+        from lowmem_tpu.publish.vllm import vllm_summary
+
+        types = parse_types(gguf)
+        target = out or default_out(source)
+        report = export_gguf(source, types, target, force=force)
+        typer.echo(summary(report, target))
+        if report["kind"] == "adapter" or vllm:
+            typer.echo(vllm_summary(Path(report["source"])))
+        return
     from lowmem_tpu.publish.export import export_checkpoint
     from lowmem_tpu.train.checkpoint import COMPLETE, EXPORT, STATE, read_trainable
 
-    if not (checkpoint / COMPLETE).is_file() or not (checkpoint / STATE / ".metadata").is_file():
+    if not (source / COMPLETE).is_file() or not (source / STATE / ".metadata").is_file():
         raise UserError(
-            f"{checkpoint} is not a complete training checkpoint (no {COMPLETE} marker or {STATE}/); "
-            "give output_dir/checkpoints/step-N of a run"
+            f"{source} is not a complete training checkpoint (no {COMPLETE} marker or {STATE}/); "
+            "give output_dir/checkpoints/step-N of a run, or add --gguf TYPE to write a finished run as GGUF"
         )
-    target = out or checkpoint.with_name(checkpoint.name + "-export")
-    kind = export_checkpoint(read_trainable(checkpoint), checkpoint / EXPORT, target)
-    typer.echo(f"wrote the {kind} of {checkpoint} to {target}")
+    target = out or source.with_name(source.name + "-export")
+    kind = export_checkpoint(read_trainable(source), source / EXPORT, target)
+    typer.echo(f"wrote the {kind} of {source} to {target}")
 
 
 @app.command()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -108,7 +109,10 @@ def chat(
 @app.command(name="eval")
 def eval_command(
     directory: TrainedArg,
-    data: Annotated[str, typer.Option("--data", help="A local .jsonl/.json/.csv/.parquet file or a Hub dataset id.")],
+    data: Annotated[
+        str | None,
+        typer.Option("--data", help="A local .jsonl/.json/.csv/.parquet file or a Hub dataset id.", show_default=False),
+    ] = None,
     fmt: Annotated[
         str | None,
         typer.Option(
@@ -126,21 +130,65 @@ def eval_command(
             show_default=False,
         ),
     ] = None,
+    tasks: Annotated[
+        str | None,
+        typer.Option(
+            "--tasks",
+            help="lm-evaluation-harness tasks, comma-separated: registry names, tasks in --include-path, or "
+            "builtin:reverse (the demo's, offline). Scores go into DIRECTORY/metrics.json.",
+            show_default=False,
+        ),
+    ] = None,
+    include_path: Annotated[
+        Path | None, typer.Option("--include-path", help="A folder of lm-eval task YAML files.", show_default=False)
+    ] = None,
+    limit: Annotated[
+        int | None, typer.Option("--limit", help="lm-eval: at most this many documents per task.", show_default=False)
+    ] = None,
+    num_fewshot: Annotated[
+        int | None, typer.Option("--num-fewshot", help="lm-eval: few-shot examples per prompt.", show_default=False)
+    ] = None,
+    chat_template: Annotated[
+        bool | None,
+        typer.Option(
+            "--chat-template/--no-chat-template",
+            help="lm-eval: render prompts with the chat template (default: when the run trained on chat data).",
+            show_default=False,
+        ),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of the summary.")] = False,
 ) -> None:
     """Held-out loss, perplexity, token accuracy and greedy exact match: the numbers sft prints, for any data
-    (a DPO run: TRL's loss, preference accuracy and reward margin, and exact match of the chosen answers)."""
+    (a DPO run: TRL's loss, preference accuracy and reward margin, and exact match of the chosen answers).
+    With --tasks: lm-evaluation-harness's tasks and scores, on the CPU."""
     import contextlib
 
     from lowmem_tpu.infer.score import evaluate_directory, format_scores
 
+    if (data is None) == (tasks is None):
+        raise UserError(
+            "eval: give --data FILE (held-out loss and exact match) or --tasks T1,T2 (lm-eval), one of them"
+        )
     # With --json, stdout carries the one JSON object: progress goes to stderr.
     quiet = contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext()
+    if tasks is not None:
+        from lowmem_tpu.infer.harness import format_results, parse_tasks, run_tasks
+
+        names = parse_tasks(tasks)
+        with quiet:
+            record = run_tasks(
+                directory,
+                names,
+                include_path=include_path,
+                limit=limit,
+                num_fewshot=num_fewshot,
+                chat_template=chat_template,
+            )
+        typer.echo(json.dumps(record) if as_json else format_results(directory, record))
+        return
     with quiet:
         result = evaluate_directory(directory, data, fmt=fmt, split=split, samples=samples)
     if as_json:
-        import json
-
         typer.echo(json.dumps(result))
     else:
         typer.echo(format_scores(directory, result))

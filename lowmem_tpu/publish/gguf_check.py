@@ -21,11 +21,15 @@ from lowmem_tpu.publish.verify import PROMPTS, compare, logits
 # max |GGUF - model| / max |model| over the check prompts' logits. transformers dequantizes the file and
 # computes in float32: a float32 file differs by summation order; f16 and bf16 by each weight's rounding
 # (10 and 7 mantissa bits); Q8_0 by 8-bit blocks of 32. llama.cpp computes with its own kernels, a float16
-# KV cache and (Q8_0) 8-bit activations, so it is allowed more.
+# KV cache and (Q8_0) 8-bit activations, so it is allowed more. Q8_0 measured 0.01-0.03 on the random
+# stand-ins and 0.15 on the demo's trained model (its merged adapters are large next to its random base);
+# a tensor written under the wrong name or layout moves the logits by 0.5 and more and the top token
+# with them, so Q8_0 must also keep the model's top token at nearly every position.
 TOLERANCE = {
-    "transformers": {"f32": 1e-5, "f16": 1e-2, "bf16": 5e-2, "q8_0": 5e-2},
-    "llama.cpp": {"f32": 1e-2, "f16": 2e-2, "bf16": 5e-2, "q8_0": 8e-2},
+    "transformers": {"f32": 1e-5, "f16": 2e-2, "bf16": 5e-2, "q8_0": 0.25},
+    "llama.cpp": {"f32": 1e-2, "f16": 3e-2, "bf16": 5e-2, "q8_0": 0.3},
 }
+QUANTIZED_TOP1 = 0.9
 CHAT = [{"role": "user", "content": "reverse abcde"}, {"role": "assistant", "content": "edcba"}]
 
 
@@ -80,7 +84,8 @@ def _judged(check: dict[str, Any], reader: str, qtype: str) -> dict[str, Any]:
     keep = ("relative_diff", "max_abs_diff", "max_abs_logit", "top1_agreement", "tokens")
     out = {key: check[key] for key in keep}
     out["tolerance"] = TOLERANCE[reader][qtype]
-    out["logits_passed"] = check["relative_diff"] <= out["tolerance"]
+    top1 = QUANTIZED_TOP1 if qtype == "q8_0" else 0.0
+    out["logits_passed"] = check["relative_diff"] <= out["tolerance"] and check["top1_agreement"] >= top1
     return out
 
 
@@ -128,8 +133,9 @@ def failure(name: str, reader: str, check: dict[str, Any], notes: list[str]) -> 
     if not check["logits_passed"]:
         why = f" ({'; '.join(notes)})" if notes else ""
         return (
-            f"{name}: {reader} computes logits {check['relative_diff']:.2e} (relative) away from the model's, above "
-            f"the tolerance {check['tolerance']:.0e}{why}; nothing was written"
+            f"{name}: {reader} computes logits {check['relative_diff']:.2e} (relative) away from the model's "
+            f"(tolerance {check['tolerance']:.2g}), the same top token at {check['top1_agreement']:.0%} of "
+            f"positions{why}; nothing was written"
         )
     return (
         f"{name}: {reader} tokenizes the check texts differently from the model's tokenizer "

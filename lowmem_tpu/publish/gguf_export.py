@@ -73,17 +73,20 @@ def export_gguf(source: Path, types: list[str], out: Path | None = None, force: 
 
     directory, kind = resolve_source(Path(source))
     out = Path(out) if out else default_out(Path(source))
-    with holding_output(out, "--out"):
-        check_out_dir(out, [directory], force)
-        _cpu_only()
+    check_out_dir(out, [directory], force)
+    _cpu_only()
+    if kind == "model":
+        from transformers import AutoConfig
+
         from lowmem_tpu.publish.gguf import family_of
 
-        if kind == "model":
-            from transformers import AutoConfig
-
-            family_of(AutoConfig.from_pretrained(directory))  # refuse before any weights are read
-        with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.merge-") as scratch:
-            model_dir = _merged(directory, Path(scratch), types) if kind == "adapter" else directory
+        family_of(AutoConfig.from_pretrained(directory))  # refuse before any weights are read
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # The merge holds its own output while it runs; ours is held after it (one lock per directory at a time).
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.merge-") as scratch:
+        model_dir = _merged(directory, Path(scratch), types) if kind == "adapter" else directory
+        with holding_output(out, "--out"):
+            check_out_dir(out, [directory], force)
             return _write_checked(directory, kind, model_dir, types, out)
 
 
@@ -165,7 +168,7 @@ def summary(report: dict[str, Any], out: Path) -> str:
         for reader, check in entry["check"].items():
             lines.append(
                 f"    {reader}: logits within {check['relative_diff']:.1e} of the model (tolerance "
-                f"{check['tolerance']:.0e}), top-1 {check['top1_agreement']:.3f}, token ids {check['token_ids']}"
+                f"{check['tolerance']:.2g}), top-1 {check['top1_agreement']:.3f}, token ids {check['token_ids']}"
                 + (f", chat text: {check['chat_token_ids']}" if "chat_token_ids" in check else "")
             )
         lines += [f"    note: {note}" for note in entry.get("notes", [])]
