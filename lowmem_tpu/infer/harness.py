@@ -46,7 +46,7 @@ output_type: generate_until
 doc_to_text: "reverse {{{{word}}}}"
 doc_to_target: "{{{{answer}}}}"
 generation_kwargs:
-  until: ["</s>", "\\n"]
+  until: ["</s>"]
   do_sample: false
   max_gen_toks: 8
 metric_list:

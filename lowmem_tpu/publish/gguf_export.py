@@ -44,15 +44,15 @@ def resolve_source(source: Path) -> tuple[Path, str]:
         raise err
     if (source / "final").is_dir():
         source = source / "final"
-    elif (source / "checkpoints").is_dir() or ((source / "recipe.yaml").is_file() and not _is_model(source)):
-        raise UserError(
-            f"{source} is a run that has not finished (no final/): resume it with the same command, or export a "
-            f"checkpoint first (lowmem-tpu export {source}/checkpoints/step-N --out DIR) and give DIR"
-        )
     if (source / "adapter_config.json").is_file():
         return source, "adapter"
     if _is_model(source):
         return source, "model"
+    if (source / "checkpoints").is_dir() or (source / "metrics.jsonl").is_file():
+        raise UserError(
+            f"{source} is a run that has not finished (no final/): resume it with the same command, or export a "
+            f"checkpoint first (lowmem-tpu export {source}/checkpoints/step-N --out DIR) and give DIR"
+        )
     raise UserError(f"{source} holds neither a LoRA adapter nor a model (no adapter_config.json or config.json)")
 
 
