@@ -72,6 +72,9 @@ def read_vocab(directory: Path, tokenizer: Any, vocab_size: int) -> Vocab:
         vocab = _from_byte_level(spec, tokenizer)
     else:
         vocab = _from_bpe_pieces(spec, tokenizer)
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if isinstance(unk, int) and unk < len(vocab.types):
+        vocab.types[unk] = UNKNOWN  # llama.cpp's fallback piece, though the tokenizer lists it among its specials
     return _padded(vocab, vocab_size, directory)
 
 
