@@ -89,9 +89,11 @@ def model_card(
         _data_section(src["recipe"], src["metrics"]),
         _recipe_section(src["recipe"], src["metrics"]),
         _results_section(src["metrics"]),
+        _lm_eval_section(src["metrics"].get("lm_eval") or {}),
         _memory_section(src["recipe"], src["metrics"]),
         _merge_section(src["merge"]),
         _usage_section(repo_id, kind, base, revision),
+        _serving_section(directory, repo_id, kind, base),
         f"License: {license or 'not stated; the base model licence applies (pass --license to name one)'}.",
     ]
     body = "\n\n".join(s for s in sections if s)
@@ -104,7 +106,9 @@ def _summary(src: dict[str, dict[str, Any]], kind: str, base: str | None) -> str
     lora = src["adapter"] or src["merge"].get("lora") or {}
     targets = lora.get("target_modules")
     targets = ", ".join(sorted(targets)) if isinstance(targets, list) else targets
-    lora_text = f"LoRA (r={lora.get('r')}, alpha={lora.get('lora_alpha')}, on {targets})"
+    quantized = (src["recipe"].get("model") or {}).get("quantize") or "none"
+    method = "LoRA" if quantized == "none" else f"QLoRA ({quantized} base)"
+    lora_text = f"{method} (r={lora.get('r')}, alpha={lora.get('lora_alpha')}, on {targets})"
     how = f"trained with `{PROJECT}` by {_method(src['recipe'])}"
     if kind == "adapter":
         return f"A {lora_text} adapter for {base_text}, {how}."
@@ -207,6 +211,21 @@ def _results_section(metrics: dict[str, Any]) -> str:
     return "## Results\n\n" + table + "; ".join(notes) + "."
 
 
+def _lm_eval_section(record: dict[str, Any]) -> str:
+    """lm-evaluation-harness scores (``lowmem-tpu eval DIR --tasks ...``), as lm-eval reported them."""
+    rows = [
+        (task, ", ".join(f"{name} {value:.4f}" for name, value in scores.items()))
+        for task, scores in (record.get("tasks") or {}).items()
+    ]
+    if not rows:
+        return ""
+    shots, limit = record.get("num_fewshot"), record.get("limit")
+    how = f"lm-evaluation-harness {record.get('lm_eval_version')}, {shots if shots is not None else 'default'} shots"
+    how += ", chat template" if record.get("chat_template") else ""
+    how += f", first {limit} documents per task" if limit else ""
+    return "## Benchmarks\n\n" + _table(rows, ("task", "score")) + f"\n\n{how}."
+
+
 def _memory_section(recipe: dict[str, Any], metrics: dict[str, Any]) -> str:
     """What the run recorded about memory; a ``memory`` mapping in metrics.json is rendered row by row."""
     if not metrics:
@@ -261,6 +280,38 @@ def _merge_section(merge: dict[str, Any]) -> str:
         f"(tolerance {check.get('tolerance')}); top-1 token agreement {check.get('top1_agreement', 0):.3f}. "
         "Details in `merge.json`."
     )
+
+
+def _serving_section(directory: Path, repo_id: str, kind: str, base: str | None) -> str:
+    """Serving it: vLLM (an adapter vLLM's loader accepts, or the model), and llama.cpp through GGUF."""
+    lines = ["## Serve it", ""]
+    if kind == "adapter":
+        from lowmem_tpu.publish.vllm import max_lora_rank, vllm_problems
+
+        problems = vllm_problems(directory)
+        if problems:
+            lines.append(f"vLLM does not load this adapter as it is: {'; '.join(problems)}.")
+        else:
+            name = repo_id.split("/")[-1]
+            lines += [
+                "vLLM (on GPUs, and on TPUs with vllm-tpu and `MODEL_IMPL_TYPE=vllm`):",
+                "",
+                f"```bash\nvllm serve {base or 'PATH/TO/BASE'} --enable-lora --lora-modules {name}={repo_id} "
+                f"--max-lora-rank {max_lora_rank(directory)}\n```",
+            ]
+    else:
+        lines += ["vLLM:", "", f"```bash\nvllm serve {repo_id}\n```"]
+    ggufs = sorted(p.name for p in directory.glob("*.gguf"))
+    if ggufs:
+        lines += ["", "llama.cpp (and Ollama, LM Studio):", "", f"```bash\nllama-cli -hf {repo_id}:{ggufs[0]}\n```"]
+    else:
+        lines += [
+            "",
+            "llama.cpp, Ollama, LM Studio: write GGUF files with "
+            f"`lowmem-tpu export {'RUN' if kind == 'adapter' else 'MODEL_DIR'} --gguf q8_0` (checked by llama.cpp "
+            "itself), then `llama-cli -m FILE.gguf`.",
+        ]
+    return "\n".join(lines)
 
 
 def _usage_section(repo_id: str, kind: str, base: str | None, revision: str) -> str:

@@ -65,6 +65,11 @@ def test_an_adapters_scores_go_into_its_metrics_and_keep_it_whole(models):
     scores = json.loads((adapter / "metrics.json").read_text())["lm_eval"]
     assert scores["chat_template"] and list(scores["tasks"]) == ["reverse_choice"]
     check_whole(adapter)  # the manifest was rewritten with the new metrics.json
+    from lowmem_tpu.publish.card import model_card
+
+    card = model_card(adapter, "me/tiny", "adapter")
+    assert "## Benchmarks" in card and "| reverse_choice | acc " in card and "chat template" in card
+    assert "--enable-lora --lora-modules tiny=me/tiny --max-lora-rank 8" in card and "--gguf q8_0" in card
 
 
 def test_bad_input_exits_2(models):
