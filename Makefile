@@ -12,7 +12,8 @@ install: $(STAMP)
 
 $(STAMP): constraints.txt pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[dev,plot]"
+	# [dev] builds llama.cpp (llama-cpp-python, the GGUF check's reader) from source: both cores, ~5 minutes.
+	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(VENV)/bin/pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[dev,plot]"
 	rm -f $(VENV)/.installed-* && touch $(STAMP)
 
 # The optional [scan] extra (sharding.scan_layers). torch_xla 2.9's wheel bundles an older torchax

@@ -562,6 +562,8 @@ TABLES: list[tuple[Path, str, Callable[[], str]]] = [
     (DOCS / "speed.md", "tune-open-llama-lora-v5e1", tune_table("tune_open_llama_lora_v5e1.json")),
     (DOCS / "speed.md", "adapter-dtype-loss", benchmark_table("adapter_dtype_loss")),
     (DOCS / "preference.md", "dpo-demo", benchmark_table("dpo_demo")),
+    (DOCS / "serving.md", "gguf-demo", benchmark_table("gguf_demo")),
+    (DOCS / "serving.md", "lm-eval-time", benchmark_table("lm_eval_time")),
     (DOCS / "memory.md", "devices", devices_table),
     (DOCS / "memory.md", "memory-open-llama-lora", memory_output("open_llama_lora")),
     (DOCS / "memory.md", "memory-open-llama-full-v5e1", memory_output("open_llama_full", device="v5e-1")),

@@ -93,10 +93,10 @@ def run_tasks(
     """lm-eval's results for ``tasks`` on the model in ``directory``; also written into its metrics.json."""
     from lowmem_tpu.console import say
     from lowmem_tpu.infer.load import kind_of, load_trained
-    from lowmem_tpu.publish.merge import _cpu_only
+    from lowmem_tpu.publish.merge import cpu_only
 
     kind_of(Path(directory))
-    _cpu_only()
+    cpu_only()
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="lowmem-lm-eval-") as scratch:
         paths = [str(write_builtin_tasks(Path(scratch)))] + ([str(include_path)] if include_path else [])

@@ -69,12 +69,12 @@ def default_out(source: Path) -> Path:
 
 def export_gguf(source: Path, types: list[str], out: Path | None = None, force: bool = False) -> dict[str, Any]:
     """Write ``source`` as one GGUF file per type into ``out``; returns the report (also ``out/gguf.json``)."""
-    from lowmem_tpu.publish.merge import _cpu_only, check_out_dir
+    from lowmem_tpu.publish.merge import cpu_only, check_out_dir
 
     directory, kind = resolve_source(Path(source))
     out = Path(out) if out else default_out(Path(source))
     check_out_dir(out, [directory], force)
-    _cpu_only()
+    cpu_only()
     if kind == "model":
         from transformers import AutoConfig
 

@@ -101,7 +101,7 @@ def _merge_checked(adapter_dir, out, config, choice, protected, dtype, force, ma
     check_out_dir(out, protected, force)
     started = time.perf_counter()
 
-    _cpu_only()
+    cpu_only()
     from lowmem_tpu.console import say
 
     check_adapter_tensors(adapter_dir, load_base_config(choice))
@@ -144,7 +144,7 @@ def _merge_checked(adapter_dir, out, config, choice, protected, dtype, force, ma
     return MergeResult(out, files, check)
 
 
-def _cpu_only() -> None:
+def cpu_only() -> None:
     """Merging and load checks run on the host CPU. transformers imports torch_xla: in a process of
     its own, keep it off the TPU (in a training process the runtime has already chosen)."""
     from lowmem_tpu.console import quiet_python_warnings
@@ -213,7 +213,7 @@ def verify_loads(directory: Path, kind: str) -> str:
 
     Returns a one-line description; raises UserError when the directory does not load.
     """
-    _cpu_only()
+    cpu_only()
     import torch
 
     if kind == "adapter":
