@@ -69,7 +69,7 @@ def default_out(source: Path) -> Path:
 
 def export_gguf(source: Path, types: list[str], out: Path | None = None, force: bool = False) -> dict[str, Any]:
     """Write ``source`` as one GGUF file per type into ``out``; returns the report (also ``out/gguf.json``)."""
-    from lowmem_tpu.publish.merge import cpu_only, check_out_dir
+    from lowmem_tpu.publish.merge import check_out_dir, cpu_only
 
     directory, kind = resolve_source(Path(source))
     out = Path(out) if out else default_out(Path(source))
