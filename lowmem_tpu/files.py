@@ -46,8 +46,10 @@ def publish(partial: Path, final: Path) -> None:
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
-    """``data`` as indented JSON with a final newline."""
-    path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+    """``data`` as indented JSON with a final newline, written beside and renamed in (never half a file)."""
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+    partial.replace(path)
 
 
 @contextlib.contextmanager

@@ -59,8 +59,10 @@ def export(
         target = out or default_out(source)
         report = export_gguf(source, types, target, force=force)
         typer.echo(summary(report, target))
-        if report["kind"] == "adapter" or vllm:
+        if report["kind"] == "adapter":
             typer.echo(vllm_summary(Path(report["source"])))
+        elif vllm:
+            typer.echo(f"vLLM serves the model as it is: vllm serve {report['source']}")
         return
     from lowmem_tpu.publish.export import export_checkpoint
     from lowmem_tpu.train.checkpoint import COMPLETE, EXPORT, STATE, read_trainable

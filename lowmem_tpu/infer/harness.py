@@ -11,6 +11,7 @@ Scores go into the directory's ``metrics.json`` (and so into the model card) und
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -96,6 +97,8 @@ def run_tasks(
     from lowmem_tpu.publish.merge import cpu_only
 
     kind_of(Path(directory))
+    if not os.access(directory, os.W_OK):
+        raise UserError(f"{directory} is not writable: the scores go into its metrics.json; evaluate a copy")
     cpu_only()
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="lowmem-lm-eval-") as scratch:
@@ -107,15 +110,16 @@ def run_tasks(
         results = _evaluate(trained, tasks, manager, limit, num_fewshot, batch_size, use_chat)
     import lm_eval
 
+    settings = {"num_fewshot": num_fewshot, "limit": limit, "chat_template": use_chat}
+    samples = results.get("n-samples", {})
     record = {
-        "tasks": {task: _scores(results["results"].get(task, {})) for task in tasks},
-        "samples": {task: results.get("n-samples", {}).get(task, {}).get("effective") for task in tasks},
-        "num_fewshot": num_fewshot,
-        "limit": limit,
-        "chat_template": use_chat,
-        "device": "cpu",
         "lm_eval_version": lm_eval.__version__,
+        "device": "cpu",
         "seconds": round(time.perf_counter() - started, 1),
+        "tasks": {  # every task lm-eval scored: a group's subtasks and the group itself
+            task: {"scores": _scores(metrics), "samples": samples.get(task, {}).get("effective"), **settings}
+            for task, metrics in results["results"].items()
+        },
     }
     _record(Path(directory), record)
     return record
@@ -161,10 +165,10 @@ def _evaluate(trained, tasks, manager, limit, num_fewshot, batch_size, use_chat)
     except (ConnectionError, OSError) as err:
         raise UserError(
             f"lm-eval could not load a task's data ({type(err).__name__}: {err}); tasks from the Hub need the "
-            "network or lm-eval's cache, local task files work offline (--include-path)"
+            "network or lm-eval's cache; local task files (--include-path) work offline"
         ) from None
     if results is None:
-        raise UserError("lm-eval returned no results (it runs on the main host only)")
+        raise UserError("lm-eval returned no results; run eval --tasks in one process, on one host")
     return results
 
 
@@ -179,23 +183,24 @@ def _scores(metrics: dict[str, Any]) -> dict[str, float]:
 
 
 def _record(directory: Path, record: dict[str, Any]) -> None:
-    """Into metrics.json, keeping the directory whole: its manifest is rewritten when it has one."""
+    """Into metrics.json beside the scores of earlier tasks (a task run again is replaced), keeping the
+    directory whole: its manifest is rewritten when it has one (both written beside and renamed in)."""
     from lowmem_tpu.files import MANIFEST, write_json, write_manifest
 
     path = directory / "metrics.json"
     metrics = json.loads(path.read_text()) if path.is_file() else {}
-    metrics["lm_eval"] = record
-    partial = path.with_name(".metrics.json.partial")
-    write_json(partial, metrics)
-    partial.replace(path)
+    earlier = (metrics.get("lm_eval") or {}).get("tasks") or {}
+    metrics["lm_eval"] = {key: record[key] for key in ("lm_eval_version", "device")}
+    metrics["lm_eval"]["tasks"] = {**earlier, **record["tasks"]}
+    write_json(path, metrics)
     if (directory / MANIFEST).is_file():
         write_manifest(directory)
 
 
 def format_results(directory: Path, record: dict[str, Any]) -> str:
     lines = [f"lm-eval {record['lm_eval_version']} on {directory} (CPU, {record['seconds']:.0f} s):"]
-    for task, scores in record["tasks"].items():
-        shown = ", ".join(f"{name} {value:.4f}" for name, value in scores.items())
-        lines.append(f"  {task}: {shown} ({record['samples'].get(task)} samples)")
+    for task, entry in record["tasks"].items():
+        shown = ", ".join(f"{name} {value:.4f}" for name, value in entry["scores"].items()) or "no score"
+        lines.append(f"  {task}: {shown}" + (f" ({entry['samples']} samples)" if entry["samples"] else ""))
     lines.append(f"written to {directory / 'metrics.json'} (lm_eval)")
     return "\n".join(lines)

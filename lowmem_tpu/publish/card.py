@@ -83,14 +83,15 @@ def model_card(
 ) -> str:
     """README.md for ``directory``: YAML metadata, then training data, recipe, results, memory and usage."""
     src = _sources(directory)
+    trained = {k: v for k, v in src["metrics"].items() if k != "lm_eval"}  # what training recorded
     base = base_model or hub_id(_base_name(src))
     sections = [
         f"# {repo_id.split('/')[-1]}\n\n{_summary(src, kind, base)}",
         _data_section(src["recipe"], src["metrics"]),
         _recipe_section(src["recipe"], src["metrics"]),
-        _results_section(src["metrics"]),
+        _results_section(trained),
         _lm_eval_section(src["metrics"].get("lm_eval") or {}),
-        _memory_section(src["recipe"], src["metrics"]),
+        _memory_section(src["recipe"], trained),
         _merge_section(src["merge"]),
         _usage_section(repo_id, kind, base, revision),
         _serving_section(directory, repo_id, kind, base),
@@ -213,17 +214,18 @@ def _results_section(metrics: dict[str, Any]) -> str:
 
 def _lm_eval_section(record: dict[str, Any]) -> str:
     """lm-evaluation-harness scores (``lowmem-tpu eval DIR --tasks ...``), as lm-eval reported them."""
-    rows = [
-        (task, ", ".join(f"{name} {value:.4f}" for name, value in scores.items()))
-        for task, scores in (record.get("tasks") or {}).items()
-    ]
-    if not rows:
+    lines = ["| task | score | shots | documents | chat template |", "|---|---|---|---|---|"]
+    for task, entry in (record.get("tasks") or {}).items():
+        scores = ", ".join(f"{name} {value:.4f}" for name, value in entry.get("scores", {}).items())
+        shots = entry.get("num_fewshot")
+        lines.append(
+            f"| {task} | {scores} | {'default' if shots is None else shots} | {entry.get('samples') or 'n/a'} | "
+            f"{'yes' if entry.get('chat_template') else 'no'} |"
+        )
+    if len(lines) == 2:
         return ""
-    shots, limit = record.get("num_fewshot"), record.get("limit")
-    how = f"lm-evaluation-harness {record.get('lm_eval_version')}, {shots if shots is not None else 'default'} shots"
-    how += ", chat template" if record.get("chat_template") else ""
-    how += f", first {limit} documents per task" if limit else ""
-    return "## Benchmarks\n\n" + _table(rows, ("task", "score")) + f"\n\n{how}."
+    how = f"lm-evaluation-harness {record.get('lm_eval_version')} on the CPU (`lowmem-tpu eval DIR --tasks ...`)."
+    return "## Benchmarks\n\n" + "\n".join(lines) + f"\n\n{how}"
 
 
 def _memory_section(recipe: dict[str, Any], metrics: dict[str, Any]) -> str:
@@ -303,7 +305,8 @@ def _serving_section(directory: Path, repo_id: str, kind: str, base: str | None)
         lines += ["vLLM:", "", f"```bash\nvllm serve {repo_id}\n```"]
     ggufs = sorted(p.name for p in directory.glob("*.gguf"))
     if ggufs:
-        lines += ["", "llama.cpp (and Ollama, LM Studio):", "", f"```bash\nllama-cli -hf {repo_id}:{ggufs[0]}\n```"]
+        command = f"llama-cli --hf-repo {repo_id} --hf-file {ggufs[0]}"
+        lines += ["", "llama.cpp (and Ollama, LM Studio):", "", f"```bash\n{command}\n```"]
     else:
         lines += [
             "",

@@ -10,6 +10,7 @@ metadata, with the chat template.
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -112,7 +113,7 @@ def gguf_tensors(directory: Path, family: Family, text: Any) -> Iterator[tuple[s
 def _converted(name: str, data: np.ndarray, family: Family, text: Any) -> np.ndarray:
     if family.norm_plus_one and name.endswith("norm.weight"):
         return data + 1.0
-    if family.interleave_qk and (name.endswith("attn_q.weight") or name.endswith("attn_k.weight")):
+    if family.interleave_qk and name.endswith(("attn_q.weight", "attn_k.weight", "attn_q.bias", "attn_k.bias")):
         heads = text.num_attention_heads if "attn_q" in name else text.num_key_value_heads
         return _interleave_rotary_halves(data, heads)
     return data
@@ -148,11 +149,16 @@ def write_gguf(directory: Path, path: Path, qtype_name: str, tokenizer: Any, nam
     import gguf
     from transformers import AutoConfig
 
-    from lowmem_tpu.publish.gguf_meta import add_hyperparameters, add_tokenizer, notes
+    from lowmem_tpu.publish.gguf_meta import add_hyperparameters, add_tokenizer, check_describable, notes
 
     config = AutoConfig.from_pretrained(directory)
+    check_describable(config)
     family, text = family_of(config)
     writer = gguf.GGUFWriter(str(path), family.arch, use_temp_file=True)
+    # The tensors wait in a spool file beside the output (the writer's default is the system temp directory,
+    # which may be memory) until the header, whose size they decide, is written.
+    spool = tempfile.SpooledTemporaryFile(mode="w+b", max_size=256 * 2**20, dir=path.parent)  # noqa: SIM115
+    writer.temp_file = spool  # closed (and so removed) by the writer once its tensors are in the file
     writer.add_name(name)
     writer.add_file_type(file_type(qtype_name))
     extra = add_hyperparameters(writer, family, text)

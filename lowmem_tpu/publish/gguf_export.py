@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import gc
 import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from lowmem_tpu.files import checkpoint_instead, fresh_partial, holding_output, 
 from lowmem_tpu.publish import llama_cpp
 from lowmem_tpu.publish.gguf import TYPES
 from lowmem_tpu.publish.gguf_check import check_file, failure
+from lowmem_tpu.publish.gguf_meta import check_describable
 from lowmem_tpu.publish.verify import logits, prompt_ids
 
 REPORT = "gguf.json"
@@ -63,6 +63,7 @@ def _is_model(directory: Path) -> bool:
 
 
 def default_out(source: Path) -> Path:
+    source = Path(source).resolve()
     source = source / "final" if (source / "final").is_dir() else source
     return source.parent / "gguf" if source.name == "final" else source.with_name(source.name + "-gguf")
 
@@ -71,23 +72,37 @@ def export_gguf(source: Path, types: list[str], out: Path | None = None, force: 
     """Write ``source`` as one GGUF file per type into ``out``; returns the report (also ``out/gguf.json``)."""
     from lowmem_tpu.publish.merge import check_out_dir, cpu_only
 
-    directory, kind = resolve_source(Path(source))
-    out = Path(out) if out else default_out(Path(source))
+    directory, kind = resolve_source(Path(source).resolve())
+    out = Path(out).resolve() if out else default_out(Path(source))
     check_out_dir(out, [directory], force)
     cpu_only()
-    if kind == "model":
-        from transformers import AutoConfig
-
-        from lowmem_tpu.publish.gguf import family_of
-
-        family_of(AutoConfig.from_pretrained(directory))  # refuse before any weights are read
+    check_describable(_model_config(directory, kind))  # refused before any weights are read
     out.parent.mkdir(parents=True, exist_ok=True)
+    if kind == "model":
+        with holding_output(out, "--out"):
+            check_out_dir(out, [directory], force)
+            return _write_checked(directory, kind, directory, types, out)
     # The merge holds its own output while it runs; ours is held after it (one lock per directory at a time).
-    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.merge-") as scratch:
-        model_dir = _merged(directory, Path(scratch), types) if kind == "adapter" else directory
+    # A fixed name: a copy left by a killed export is removed by the next.
+    scratch = fresh_partial(out.parent / f".{out.name}", ".merge")
+    try:
+        model_dir = _merged(directory, scratch, types)
         with holding_output(out, "--out"):
             check_out_dir(out, [directory], force)
             return _write_checked(directory, kind, model_dir, types, out)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _model_config(directory: Path, kind: str) -> Any:
+    """The config of the model a directory holds, or of the base an adapter goes onto (no weights read)."""
+    from transformers import AutoConfig
+
+    if kind == "model":
+        return AutoConfig.from_pretrained(directory)
+    from lowmem_tpu.publish.base import choose_base, load_base_config, read_adapter_config
+
+    return load_base_config(choose_base(read_adapter_config(directory), directory, None, None, force=False))
 
 
 def _merged(adapter: Path, scratch: Path, types: list[str]) -> Path:
@@ -173,6 +188,6 @@ def summary(report: dict[str, Any], out: Path) -> str:
             )
         lines += [f"    note: {note}" for note in entry.get("notes", [])]
     if not report["llama_cpp_checked"]:
-        lines.append("  llama.cpp did not check the files: pip install 'lowmem-tpu[gguf]' (builds llama.cpp) to add it")
+        lines.append("  llama.cpp did not check the files: pip install -c constraints.txt -e '.[gguf]' adds it")
     lines.append(f"run it: llama-cli -m {out}/{next(iter(report['files']))}  (Ollama: FROM ./FILE in a Modelfile)")
     return "\n".join(lines)

@@ -35,6 +35,40 @@ def _rope(text: Any) -> tuple[dict[str, Any], dict[str, Any] | None]:
     return params, None
 
 
+def check_describable(config: Any) -> None:
+    """Everything that refuses a model, checked on its config alone (before any weights are read)."""
+    from lowmem_tpu.publish.gguf import family_of
+
+    family, text = family_of(config)
+    rope, sliding_rope = _rope(text)
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ("default", "linear") and not (kind == "llama3" and family.arch == "llama"):
+        raise UserError(
+            f"GGUF export writes linear and Llama 3 rotary scaling; this model's is {kind!r}, which llama.cpp "
+            "would read differently from transformers. Serve the merged safetensors model instead (vLLM)"
+        )
+    if family.arch in GEMMA_27B_LAYERS:
+        _gemma_scale(family.arch, text)
+        if sliding_rope and sliding_rope.get("rope_type", "default") != "default":
+            raise UserError(
+                "the sliding layers' rotary scaling is not one llama.cpp applies; no GGUF was written. Serve the "
+                "merged safetensors model instead (vLLM)"
+            )
+
+
+def _gemma_scale(arch: str, text: Any) -> None:
+    dim = head_dim(text)
+    scalar = getattr(text, "query_pre_attn_scalar", None) or dim
+    big = text.num_hidden_layers == GEMMA_27B_LAYERS[arch]
+    expected = text.hidden_size / text.num_attention_heads if big else dim
+    if not math.isclose(scalar, expected):
+        raise UserError(
+            f"query_pre_attn_scalar is {scalar}, but llama.cpp scales {arch} queries by 1/sqrt({expected:g}) "
+            "for a model of this shape; a GGUF would compute other attention, so none was written. Serve the "
+            "merged safetensors model instead (vLLM)"
+        )
+
+
 def add_hyperparameters(writer: Any, family: Any, text: Any) -> list[tuple[str, np.ndarray]]:
     """Write the architecture's keys; returns extra tensors llama.cpp reads (Llama 3's rotary factors)."""
     dim = head_dim(text)
@@ -67,8 +101,9 @@ def notes(family: Any, text: Any) -> list[str]:
     window = getattr(text, "sliding_window", None)
     if family.arch in ("llama", "phi3") and window and window < text.max_position_embeddings:
         return [
-            f"llama.cpp attends over the whole context where the model attends over a window of {window} tokens: "
-            f"the two agree on sequences up to {window} tokens and differ past that"
+            f"GGUF's {family.arch} architecture has no sliding window: llama.cpp (and transformers reading the file) "
+            f"attends over the whole context where the model attends over a window of {window} tokens, so the two "
+            f"agree on sequences up to {window} tokens and differ past that"
         ]
     return []
 
@@ -83,12 +118,7 @@ def _rope_scaling(writer: Any, rope: dict[str, Any], rotary: int, arch: str) -> 
         writer.add_rope_scaling_type(RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(float(rope["factor"]))
         return []
-    if kind == "llama3" and arch == "llama":
-        return [("rope_freqs.weight", _llama3_factors(rope, rotary))]
-    raise UserError(
-        f"GGUF export writes linear and Llama 3 rotary scaling; this model's is {kind!r}, which llama.cpp would "
-        "read differently from transformers. Serve the merged safetensors model instead"
-    )
+    return [("rope_freqs.weight", _llama3_factors(rope, rotary))]  # llama3, on LLAMA: check_describable
 
 
 def _llama3_factors(rope: dict[str, Any], rotary: int) -> np.ndarray:
@@ -111,15 +141,6 @@ def _llama3_factors(rope: dict[str, Any], rotary: int) -> np.ndarray:
 
 
 def _gemma(writer: Any, arch: str, text: Any, sliding_rope: dict[str, Any] | None) -> None:
-    dim = head_dim(text)
-    scalar = getattr(text, "query_pre_attn_scalar", None) or dim
-    big = text.num_hidden_layers == GEMMA_27B_LAYERS[arch]
-    expected = text.hidden_size / text.num_attention_heads if big else dim
-    if not math.isclose(scalar, expected):
-        raise UserError(
-            f"query_pre_attn_scalar is {scalar}, but llama.cpp scales {arch} queries by 1/sqrt({expected:g}) "
-            "for a model of this shape; a GGUF would compute other attention, so none was written"
-        )
     if getattr(text, "attn_logit_softcapping", None):
         writer.add_attn_logit_softcapping(float(text.attn_logit_softcapping))
     if getattr(text, "final_logit_softcapping", None):
@@ -132,8 +153,6 @@ def _gemma(writer: Any, arch: str, text: Any, sliding_rope: dict[str, Any] | Non
             writer.add_sliding_window_pattern([t == "sliding_attention" for t in layer_types])
     if sliding_rope:
         writer.add_rope_freq_base_swa(float(sliding_rope.get("rope_theta", 10000.0)))
-        if sliding_rope.get("rope_type", "default") != "default":
-            raise UserError("the sliding layers' rotary scaling is not one llama.cpp applies; no GGUF was written")
 
 
 def add_tokenizer(writer: Any, directory: Path, tokenizer: Any, config: Any, text: Any) -> str:

@@ -124,8 +124,9 @@ def _from_sentencepiece(path: Path, tokenizer: Any) -> Vocab:
             else NORMAL
         )
     for i, token in sorted(_added(tokenizer).items()):
-        if i < len(tokens):
-            types[i] = CONTROL if token.special and types[i] != UNKNOWN else types[i]
+        if i < len(tokens):  # a piece the tokenizer matches whole, as it spells it (llama.cpp does the same)
+            if types[i] not in (UNKNOWN, BYTE):
+                tokens[i], types[i] = token.content, _added_type(token)
             continue
         while len(tokens) < i:  # a hole in the added ids: llama.cpp needs every id
             tokens.append(f"[PAD{len(tokens)}]")
@@ -212,8 +213,11 @@ def _from_bpe_pieces(spec: dict[str, Any], tokenizer: Any) -> Vocab:
     if not sentencepiece_style:
         return _from_characters(model, merges, tokenizer)
     tokens, types = _id_ordered(model["vocab"], tokenizer)
-    rank = {a + b: -float(i) for i, (a, b) in enumerate(merges)}
-    scores = [rank.get(t or "", 0.0) if types[i] == NORMAL else -1000.0 for i, t in enumerate(tokens)]
+    rank: dict[str, float] = {}
+    for i, (a, b) in enumerate(merges):
+        rank.setdefault(a + b, -float(i))  # the first merge that makes a piece is the one BPE applies
+    unmade = -float(len(merges))  # single characters and pieces no merge makes: below every merge
+    scores = [rank.get(t or "", unmade) if types[i] == NORMAL else -1000.0 for i, t in enumerate(tokens)]
     for i, token in enumerate(tokens):
         if token is not None and types[i] == NORMAL:
             types[i] = BYTE if _is_byte(token) else UNKNOWN if token == model.get("unk_token") else NORMAL

@@ -10,7 +10,7 @@ from typing import Any
 def available() -> bool:
     try:
         import llama_cpp  # noqa: F401
-    except ImportError:
+    except (ImportError, OSError, RuntimeError):  # absent, or its compiled library does not load
         return False
     return True
 
@@ -24,7 +24,10 @@ def load(path: Path, context: int) -> Any:
     try:
         return Llama(model_path=str(path), logits_all=True, n_ctx=max(context, 16), verbose=False, n_threads=2)
     except ValueError as err:
-        raise UserError(f"llama.cpp does not load {path.name} ({err}); nothing was written") from None
+        raise UserError(
+            f"llama.cpp does not load {path.name} ({err}); nothing was written. A llama-cpp-python older than the "
+            "pinned one may not know the architecture: pip install -c constraints.txt -e '.[gguf]'"
+        ) from None
 
 
 def tokenize(model: Any, text: str, add_bos: bool) -> list[int]:

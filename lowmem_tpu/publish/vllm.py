@@ -17,7 +17,6 @@ The rules, as vLLM 0.32.0 states them (read in its source, not imported: vLLM is
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -32,7 +31,9 @@ def vllm_problems(adapter_dir: Path) -> list[str]:
     """What vLLM's loader would refuse in ``adapter_dir`` (empty: it loads)."""
     from safetensors import safe_open
 
-    config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    from lowmem_tpu.publish.base import read_adapter_config
+
+    config = read_adapter_config(adapter_dir)  # a directory that is no whole adapter is refused, saying why
     problems = []
     if not isinstance(config.get("r"), int) or config["r"] <= 0 or "lora_alpha" not in config:
         problems.append("adapter_config.json lacks a positive r or lora_alpha")
@@ -49,7 +50,7 @@ def vllm_problems(adapter_dir: Path) -> list[str]:
     if isinstance(init, str) and init.lower() not in INITS:
         problems.append(f"init_lora_weights: {init} (vLLM refuses {init} adapters; convert them to plain LoRA)")
     if max([config.get("r") or 0, *(config.get("rank_pattern") or {}).values()]) > RANKS[-1]:
-        problems.append(f"rank {config['r']} is above vLLM's largest --max-lora-rank, {RANKS[-1]}")
+        problems.append(f"a rank above vLLM's largest --max-lora-rank, {RANKS[-1]}")
     with safe_open(str(adapter_dir / "adapter_model.safetensors"), framework="pt") as f:
         keys = list(f.keys())
     problems += sorted({p for key in keys if (p := _key_problem(key))})
@@ -71,7 +72,9 @@ def _key_problem(key: str) -> str | None:
 
 def max_lora_rank(adapter_dir: Path) -> int:
     """The smallest ``--max-lora-rank`` that serves this adapter."""
-    config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    from lowmem_tpu.publish.base import read_adapter_config
+
+    config = read_adapter_config(adapter_dir)
     rank = max([config.get("r") or 0, *(config.get("rank_pattern") or {}).values()])
     return next((r for r in RANKS if r >= rank), RANKS[-1])
 
@@ -81,9 +84,13 @@ def vllm_summary(adapter_dir: Path) -> str:
     problems = vllm_problems(adapter_dir)
     if problems:
         return "vLLM would refuse the adapter " + str(adapter_dir) + ": " + "; ".join(problems)
-    config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    from lowmem_tpu.publish.base import read_adapter_config
+
+    base = read_adapter_config(adapter_dir)["base_model_name_or_path"]
+    run = adapter_dir.resolve()
+    name = run.parent.name if run.name == "final" else run.name
     return (
         f"vLLM loads the adapter {adapter_dir} as it is (vLLM 0.32's LoRA rules):\n"
-        f"  vllm serve {config['base_model_name_or_path']} --enable-lora --lora-modules "
-        f"{adapter_dir.parent.name}={adapter_dir} --max-lora-rank {max_lora_rank(adapter_dir)}"
+        f"  vllm serve {base} --enable-lora --lora-modules {name}={adapter_dir} --max-lora-rank "
+        f"{max_lora_rank(adapter_dir)}"
     )

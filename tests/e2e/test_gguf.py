@@ -125,7 +125,7 @@ def test_without_llama_cpp_transformers_alone_checks_and_the_summary_says_so(ada
     entry = next(iter(report["files"].values()))
     assert list(entry["check"]) == ["transformers"] and entry["check"]["transformers"]["passed"]
     assert not report["llama_cpp_checked"]
-    assert "pip install 'lowmem-tpu[gguf]'" in summary(report, tmp_path / "out")
+    assert "pip install -c constraints.txt -e '.[gguf]'" in summary(report, tmp_path / "out")
 
 
 def test_bad_input_exits_2_naming_the_fix_and_writes_nothing(adapter, tmp_path):

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from tiny_models import make_adapter, make_base
 
-from lowmem_tpu.files import check_whole
+from lowmem_tpu.files import damage, write_manifest
 from lowmem_tpu.infer.harness import write_builtin_tasks
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,6 +40,7 @@ def test_scores_equal_lm_evals_own_command_line(models, tmp_path):
     ours = run("-m", "lowmem_tpu.cli", "eval", str(base), "--tasks", "builtin:reverse", "--limit", "40", "--json")
     assert ours.returncode == 0, ours.stderr[-3000:]
     record = json.loads(ours.stdout)
+    scores = {task: entry["scores"] for task, entry in record["tasks"].items()}
     tasks = write_builtin_tasks(tmp_path)
     theirs = run(
         "-m", "lm_eval", "--model", "hf", "--model_args", f"pretrained={base},dtype=float32", "--device", "cpu",
@@ -48,27 +49,34 @@ def test_scores_equal_lm_evals_own_command_line(models, tmp_path):
     )  # fmt: skip
     assert theirs.returncode == 0, theirs.stderr[-3000:]
     results = json.loads(next((tmp_path / "results").rglob("results_*.json")).read_text())["results"]
-    assert record["tasks"]["reverse_choice"]["acc"] == results["reverse_choice"]["acc,none"]
-    assert record["tasks"]["reverse_generate"]["exact_match"] == results["reverse_generate"]["exact_match,none"]
-    assert record["samples"] == {"reverse_choice": 40, "reverse_generate": 40}
-    assert 0 < record["tasks"]["reverse_choice"]["acc"] < 1  # a figure a wrong model would move
-    assert record["device"] == "cpu" and not record["chat_template"]  # no recipe: prompts as they are
-    assert json.loads((base / "metrics.json").read_text())["lm_eval"] == record
+    assert scores["reverse_choice"]["acc"] == results["reverse_choice"]["acc,none"]
+    assert scores["reverse_generate"]["exact_match"] == results["reverse_generate"]["exact_match,none"]
+    assert {task: entry["samples"] for task, entry in record["tasks"].items()} == {
+        "reverse_choice": 40,
+        "reverse_generate": 40,
+    }
+    assert 0 < scores["reverse_choice"]["acc"] < 1  # a figure a wrong model would move
+    assert record["device"] == "cpu" and not record["tasks"]["reverse_choice"]["chat_template"]  # no recipe
+    assert json.loads((base / "metrics.json").read_text())["lm_eval"]["tasks"] == record["tasks"]
 
 
 def test_an_adapters_scores_go_into_its_metrics_and_keep_it_whole(models):
     _, adapter = models
-    result = run("-m", "lowmem_tpu.cli", "eval", str(adapter), "--tasks", "reverse_choice", "--include-path",
-                 str(write_builtin_tasks(adapter.parent)), "--limit", "10", "--chat-template")  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "reverse_choice: acc" in result.stdout
-    scores = json.loads((adapter / "metrics.json").read_text())["lm_eval"]
-    assert scores["chat_template"] and list(scores["tasks"]) == ["reverse_choice"]
-    check_whole(adapter)  # the manifest was rewritten with the new metrics.json
+    write_manifest(adapter)  # as a run's final/ has one
+    tasks = str(write_builtin_tasks(adapter.parent))
+    for task in ("reverse_choice", "reverse_generate"):
+        result = run("-m", "lowmem_tpu.cli", "eval", str(adapter), "--tasks", task, "--include-path", tasks,
+                     "--limit", "10", "--chat-template")  # fmt: skip
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert f"{task}: " in result.stdout
+    recorded = json.loads((adapter / "metrics.json").read_text())["lm_eval"]["tasks"]
+    assert list(recorded) == ["reverse_choice", "reverse_generate"]  # the second run kept the first's scores
+    assert recorded["reverse_choice"]["chat_template"] and recorded["reverse_choice"]["samples"] == 10
+    assert damage(adapter) is None  # the manifest was rewritten with the new metrics.json
     from lowmem_tpu.publish.card import model_card
 
     card = model_card(adapter, "me/tiny", "adapter")
-    assert "## Benchmarks" in card and "| reverse_choice | acc " in card and "chat template" in card
+    assert "## Benchmarks" in card and "| reverse_choice | acc " in card and "| 10 | yes |" in card
     assert "--enable-lora --lora-modules tiny=me/tiny --max-lora-rank 8" in card and "--gguf q8_0" in card
 
 

@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 
 from lowmem_tpu.errors import UserError
 from lowmem_tpu.publish.gguf import _interleave_rotary_halves, family_of, hf_name, stored
-from lowmem_tpu.publish.gguf_export import parse_types, resolve_source
+from lowmem_tpu.publish.gguf_export import default_out, parse_types, resolve_source
 from lowmem_tpu.publish.gguf_meta import _llama3_factors
 from lowmem_tpu.publish.gguf_vocab import GPT2_PRE, PRE_TOKENIZERS, SPACE, _pre_tokenizer, read_vocab
 from lowmem_tpu.publish.vllm import max_lora_rank, vllm_problems
@@ -151,6 +151,7 @@ def test_an_unfinished_run_or_a_checkpoint_is_refused_with_the_fix(tmp_path):
         resolve_source(step)
     with pytest.raises(UserError, match="no such directory"):
         resolve_source(tmp_path / "missing")
+    assert default_out(Path(".")).name == f"{Path.cwd().name}-gguf"  # the working directory has a name
 
 
 def test_builtin_lm_eval_tasks_load_in_lm_evals_task_manager(tmp_path):
