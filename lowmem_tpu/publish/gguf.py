@@ -12,48 +12,16 @@ from __future__ import annotations
 
 import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from lowmem_tpu.errors import UserError
+from lowmem_tpu.publish.gguf_meta import Family, family_of
 
-TYPES = ("f32", "f16", "bf16", "q8_0")
-
-
-@dataclass(frozen=True)
-class Family:
-    """How one transformers model type is written for llama.cpp."""
-
-    arch: str  # gguf's architecture name
-    interleave_qk: bool = False  # llama.cpp's LLAMA rotates adjacent pairs, transformers' halves
-    norm_plus_one: bool = False  # Gemma scales by 1 + weight; llama.cpp by the stored weight
-
-
-FAMILIES = {
-    "llama": Family("llama", interleave_qk=True),
-    "mistral": Family("llama", interleave_qk=True),
-    "qwen2": Family("qwen2"),
-    "qwen3": Family("qwen3"),
-    "gemma2": Family("gemma2", norm_plus_one=True),
-    "gemma3_text": Family("gemma3", norm_plus_one=True),
-    "phi3": Family("phi3"),
-}
 SKIPPED_PREFIXES = ("model.vision_tower.", "vision_tower.", "model.multi_modal_projector.", "multi_modal_projector.")
-
-
-def family_of(config: Any) -> tuple[Family, Any]:
-    """The family and the text config of a model config; a family GGUF export does not describe is refused."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    family = FAMILIES.get(text.model_type)
-    if family is None:
-        raise UserError(
-            f"GGUF export does not describe the model type {text.model_type!r}; it writes "
-            f"{', '.join(sorted(FAMILIES))}. Serve the merged safetensors model instead (vLLM, transformers)"
-        )
-    return family, text
+TYPES = ("f32", "f16", "bf16", "q8_0")
 
 
 def qtype_of(name: str) -> Any:

@@ -1,4 +1,5 @@
-"""GGUF metadata: an architecture's hyper-parameters as llama.cpp reads them, and the tokenizer.
+"""GGUF metadata: the families GGUF export describes, an architecture's hyper-parameters as llama.cpp reads
+them, and the tokenizer.
 
 What llama.cpp does not read from a file it assumes, so a model whose config differs from that is refused
 rather than written to compute something else: Gemma's attention scale (llama.cpp: 1 / sqrt(head_dim),
@@ -10,6 +11,7 @@ the model does up to its window), and the report says so.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +19,39 @@ import numpy as np
 
 from lowmem_tpu.errors import UserError
 from lowmem_tpu.publish.gguf_vocab import read_vocab, special_ids
+
+
+@dataclass(frozen=True)
+class Family:
+    """How one transformers model type is written for llama.cpp."""
+
+    arch: str  # gguf's architecture name
+    interleave_qk: bool = False  # llama.cpp's LLAMA rotates adjacent pairs, transformers' halves
+    norm_plus_one: bool = False  # Gemma scales by 1 + weight; llama.cpp by the stored weight
+
+
+FAMILIES = {
+    "llama": Family("llama", interleave_qk=True),
+    "mistral": Family("llama", interleave_qk=True),
+    "qwen2": Family("qwen2"),
+    "qwen3": Family("qwen3"),
+    "gemma2": Family("gemma2", norm_plus_one=True),
+    "gemma3_text": Family("gemma3", norm_plus_one=True),
+    "phi3": Family("phi3"),
+}
+
+
+def family_of(config: Any) -> tuple[Family, Any]:
+    """The family and the text config of a model config; a family GGUF export does not describe is refused."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    family = FAMILIES.get(text.model_type)
+    if family is None:
+        raise UserError(
+            f"GGUF export does not describe the model type {text.model_type!r}; it writes "
+            f"{', '.join(sorted(FAMILIES))}. Serve the merged safetensors model instead (vLLM, transformers)"
+        )
+    return family, text
+
 
 GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}  # llama.cpp scales these models' queries by hidden / heads
 
@@ -37,8 +72,6 @@ def _rope(text: Any) -> tuple[dict[str, Any], dict[str, Any] | None]:
 
 def check_describable(config: Any) -> None:
     """Everything that refuses a model, checked on its config alone (before any weights are read)."""
-    from lowmem_tpu.publish.gguf import family_of
-
     family, text = family_of(config)
     rope, sliding_rope = _rope(text)
     kind = rope.get("rope_type", rope.get("type", "default"))
