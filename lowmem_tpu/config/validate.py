@@ -6,6 +6,8 @@ every problem at once as ``dotted.path: message``. It reads the recipe only, nev
 from __future__ import annotations
 
 import difflib
+import json
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
@@ -135,6 +137,7 @@ def validate_recipe(data: dict[str, Any]) -> Recipe:
     and the recipe validated again, so cross-field problems are reported in the same error,
     except those that involve a dropped key (they could be artefacts of the default).
     """
+    data = with_adapter_settings(data)
     problems: list[str] = []
     removed: list[tuple[str, ...]] = []
     recipe = None
@@ -162,3 +165,29 @@ def validate_recipe(data: dict[str, Any]) -> Recipe:
     if problems or recipe is None:
         raise RecipeError(list(dict.fromkeys(problems)) or ["recipe: invalid"])
     return recipe
+
+
+def with_adapter_settings(data: dict[str, Any]) -> dict[str, Any]:
+    """``model.adapter`` is trained with its own LoRA settings: its rank, alpha, dropout, targets, rsLoRA and DoRA
+    replace ``lora.*`` before validation, so the checks, the planner, ``show`` and the card see what trains. An
+    adapter that is not a local directory (a Hub id) keeps the recipe's, read when it loads."""
+    adapter = (data.get("model") or {}).get("adapter") if isinstance(data.get("model"), dict) else None
+    path = Path(str(adapter or "")).expanduser() / "adapter_config.json"
+    if not adapter or not path.is_file():
+        return data
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise RecipeError([f"model.adapter: {path} is not readable JSON ({err})"]) from None
+    keys = {
+        "r": "r",
+        "lora_alpha": "alpha",
+        "lora_dropout": "dropout",
+        "use_rslora": "use_rslora",
+        "use_dora": "use_dora",
+    }
+    lora = dict(data.get("lora") or {}) | {ours: saved[theirs] for theirs, ours in keys.items() if theirs in saved}
+    targets = saved.get("target_modules")
+    if isinstance(targets, list) or targets == "all-linear":
+        lora["target_modules"] = sorted(targets) if isinstance(targets, list) else targets
+    return {**data, "lora": lora}

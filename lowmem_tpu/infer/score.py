@@ -64,8 +64,8 @@ def evaluate_directory(
 
 
 def _check_preference(saved: dict[str, Any], kind: str, directory: Path, fmt: str | None) -> None:
-    """A DPO run is scored against its reference, the base under its adapters: refused, before any weight
-    loads, where that reference is not there to be had."""
+    """A DPO run is scored against its reference: the base under its adapters, or the adapter it started from
+    (``model.adapter``). Refused, before any weight loads, where that reference is not there to be had."""
     if (fmt or saved.get("data", {}).get("format")) != "preference":
         return
     started_from = saved.get("model", {}).get("adapter")
@@ -74,10 +74,10 @@ def _check_preference(saved: dict[str, Any], kind: str, directory: Path, fmt: st
             f"{directory} is a merged model: preference scores compare it with its reference, the base under the "
             "adapters, which merging removed; evaluate the run's adapter directory (final/) instead"
         )
-    if started_from:
+    if started_from and not (Path(started_from).expanduser() / "adapter_model.safetensors").is_file():
         raise UserError(
-            f"this DPO run started from {started_from}, its reference: eval scores preference runs against the "
-            "base (runs from fresh adapters) only; the run's own metrics.json has its held-out scores"
+            f"this DPO run started from the adapter {started_from}, its reference, which is not there: restore it "
+            "at that path, or score the run's held-out pairs from its own metrics.json"
         )
 
 
@@ -94,6 +94,10 @@ def _score(recipe: Any, runtime: Any, trained: Any, rows: Any, prompts: list, mi
     place_parameters(model, runtime, recipe.sharding.strategy)
     build = build_preference_trainer if pairs else build_trainer
     trainer = build(recipe, runtime, model, rows, tokenizer, micro, [], eval_dataset=rows)
+    if pairs and recipe.model.adapter:  # the reference: the adapter the run started from, not TRL's copy of this one
+        from lowmem_tpu.train.preference import load_reference
+
+        load_reference(trainer.policy, Path(recipe.model.adapter).expanduser())
     scores = trainer.evaluate()
     loss = scores.get("eval_loss")
     result: dict[str, Any] = {"loss": loss, "perplexity": math.exp(loss) if loss is not None and loss < 50 else None}

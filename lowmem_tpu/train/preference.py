@@ -16,12 +16,14 @@ pass, the reference's, the backward pass); the host computes TRL's loss and metr
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 from typing import Any
 
 import torch
 from trl import DPOTrainer
 
 from lowmem_tpu.data.preference import collate_pairs
+from lowmem_tpu.errors import UserError
 from lowmem_tpu.train.args import preference_args
 from lowmem_tpu.train.trainer import XlaTrainerMixin, trainer_kwargs
 from lowmem_tpu.xla import runtime as rt
@@ -118,6 +120,23 @@ def as_reference(peft: Any) -> Any:
     from trl.trainer.utils import use_adapter
 
     return use_adapter(peft, "ref" if "ref" in peft.peft_config else None)
+
+
+def load_reference(peft: Any, adapter_dir: Path) -> None:
+    """The ``ref`` adapter set to the weights in ``adapter_dir``: scoring a run that started from that adapter
+    against it (TRL made ``ref`` a copy of the adapter it was given, the trained one)."""
+    from peft.utils import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    if "ref" not in peft.peft_config:
+        raise UserError("the DPO reference adapter is missing: the run's adapter was loaded without TRL's ref copy")
+    result = set_peft_model_state_dict(peft, load_file(str(adapter_dir / "adapter_model.safetensors")), "ref")
+    missing = [key for key in result.missing_keys if ".ref." in key]
+    if result.unexpected_keys or missing:
+        raise UserError(
+            f"model.adapter: {adapter_dir} does not fit this run's adapter ({len(missing)} weights missing, "
+            f"{len(result.unexpected_keys)} unexpected); it is not the adapter this run started from"
+        )
 
 
 def build_preference_trainer(

@@ -165,3 +165,37 @@ def test_a_run_from_a_trained_adapter_compares_with_its_frozen_copy_as_trl_does(
     assert abs(trl["rewards/margins"]) > 1e-3  # the policy is not its reference
     for key in COMPARED:
         assert ours[key] == pytest.approx(trl[key], abs=1e-4), key
+
+
+def test_a_run_from_a_trained_adapter_takes_its_settings_and_eval_scores_it_against_that_adapter(tmp_path):
+    """SFT -> DPO through the CLI: the recipe takes the starting adapter's LoRA settings, the run starts at
+    ln 2 (the policy is its reference), and ``eval`` rebuilds that reference from the starting adapter."""
+    base = make_base(tmp_path / "base")
+    start = make_adapter(base, tmp_path / "start", r=4, seed=1)
+    out = tmp_path / "run"
+    overrides = [f"output_dir={out}", f"model.name_or_path={base}", "model.random_init=false", f"model.adapter={start}"]
+    overrides += ["lora.r=16", "train.max_steps=4", "train.logging_steps=2", "train.eval_steps=null"]
+    overrides += ["train.eval_samples=8", "train.global_batch_size=16", "data.max_samples=256"]  # eval: every pair
+    overrides += ["preference.loss_type=sigmoid", "train.learning_rate=1e-2"]
+    done = subprocess.run(
+        [sys.executable, "-m", "lowmem_tpu.cli", "dpo", "recipes/tiny_dpo_cpu.yaml", *overrides],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    final = out / "final"
+    assert "r: 4" in (final / "recipe.yaml").read_text()  # the adapter's rank, not the override's 16
+    metrics = json.loads((final / "metrics.json").read_text())
+    before, after = metrics["eval"]["before"], metrics["eval"]["after"]
+    assert before["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert abs(after["reward_margin"]) > 1e-4  # the policy moved away from the adapter it started from
+    held_out = str(PAIRS.with_name("prefer_eval.jsonl"))
+    evaluate = [sys.executable, "-m", "lowmem_tpu.cli", "eval", str(final), "--data", held_out, "--samples", "8"]
+    scored = subprocess.run([*evaluate, "--json"], capture_output=True, text=True, timeout=600)
+    assert scored.returncode == 0, scored.stderr[-2000:]
+    result = json.loads(scored.stdout)
+    assert result["loss"] == pytest.approx(after["loss"], abs=1e-4)
+    assert result["reward_margin"] == pytest.approx(after["reward_margin"], abs=1e-4)
+    assert result["preference_accuracy"] == pytest.approx(after["preference_accuracy"], abs=1e-6)
+    (start / "adapter_model.safetensors").unlink()  # its reference gone: refused before any weight loads
+    refused = subprocess.run(evaluate, capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2 and "its reference, which is not there" in refused.stderr

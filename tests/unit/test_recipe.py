@@ -477,3 +477,20 @@ def test_the_embedded_default_assets_are_what_their_tool_builds():
     """lowmem_tpu/assets' tiny Llama (config, tokenizer) and reverse data, byte for byte: tools/make_tiny_assets.py."""
     done = _tool("make_tiny_assets", "--check")
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_a_starting_adapters_lora_settings_replace_the_recipes(tmp_path):
+    import json
+
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    saved = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "lora_dropout": 0.1, "use_rslora": True}
+    (adapter / "adapter_config.json").write_text(json.dumps(saved | {"target_modules": ["v_proj", "q_proj"]}))
+    recipe = load_recipe(default_recipe_path(), [f"model.adapter={adapter}", "lora.r=64"])
+    assert (recipe.lora.r, recipe.lora.alpha, recipe.lora.dropout) == (4, 8, 0.1)
+    assert recipe.lora.target_modules == ["q_proj", "v_proj"] and recipe.lora.use_rslora
+    hub = load_recipe(default_recipe_path(), ["model.adapter=someone/adapter", "lora.r=64"])
+    assert hub.lora.r == 64  # not a local directory: read when it loads
+    (adapter / "adapter_config.json").write_text("{not json")
+    with pytest.raises(RecipeError, match="is not readable JSON"):
+        load_recipe(default_recipe_path(), [f"model.adapter={adapter}"])
