@@ -72,6 +72,7 @@ def export_gguf(source: Path, types: list[str], out: Path | None = None, force: 
     """Write ``source`` as one GGUF file per type into ``out``; returns the report (also ``out/gguf.json``)."""
     from lowmem_tpu.publish.merge import check_out_dir, cpu_only
 
+    started = time.perf_counter()
     directory, kind = resolve_source(Path(source).resolve())
     out = Path(out).resolve() if out else default_out(Path(source))
     check_out_dir(out, [directory], force)
@@ -81,7 +82,7 @@ def export_gguf(source: Path, types: list[str], out: Path | None = None, force: 
     if kind == "model":
         with holding_output(out, "--out"):
             check_out_dir(out, [directory], force)
-            return _write_checked(directory, kind, directory, types, out)
+            return _write_checked(directory, kind, directory, types, out, started)
     # The merge holds its own output while it runs; ours is held after it (one lock per directory at a time).
     # A fixed name: a copy left by a killed export is removed by the next.
     scratch = fresh_partial(out.parent / f".{out.name}", ".merge")
@@ -89,7 +90,7 @@ def export_gguf(source: Path, types: list[str], out: Path | None = None, force: 
         model_dir = _merged(directory, scratch, types)
         with holding_output(out, "--out"):
             check_out_dir(out, [directory], force)
-            return _write_checked(directory, kind, model_dir, types, out)
+            return _write_checked(directory, kind, model_dir, types, out, started)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
@@ -113,13 +114,14 @@ def _merged(adapter: Path, scratch: Path, types: list[str]) -> Path:
     return merge_adapter(adapter, scratch / "merged", dtype=dtype).out
 
 
-def _write_checked(source: Path, kind: str, model_dir: Path, types: list[str], out: Path) -> dict[str, Any]:
+def _write_checked(
+    source: Path, kind: str, model_dir: Path, types: list[str], out: Path, started: float
+) -> dict[str, Any]:
     from lowmem_tpu.console import say
     from lowmem_tpu.model.loading import weight_files
     from lowmem_tpu.publish.base import load_causal_lm
     from lowmem_tpu.publish.gguf import write_gguf
 
-    started = time.perf_counter()
     from transformers import AutoConfig
 
     tokenizer = _tokenizer(model_dir)

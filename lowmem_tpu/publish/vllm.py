@@ -84,13 +84,20 @@ def vllm_summary(adapter_dir: Path) -> str:
     problems = vllm_problems(adapter_dir)
     if problems:
         return "vLLM would refuse the adapter " + str(adapter_dir) + ": " + "; ".join(problems)
-    from lowmem_tpu.publish.base import read_adapter_config
+    from lowmem_tpu.publish.base import read_adapter_config, trained_quantization
 
     base = read_adapter_config(adapter_dir)["base_model_name_or_path"]
     run = adapter_dir.resolve()
     name = run.parent.name if run.name == "final" else run.name
-    return (
+    text = (
         f"vLLM loads the adapter {adapter_dir} as it is (vLLM 0.32's LoRA rules):\n"
         f"  vllm serve {base} --enable-lora --lora-modules {name}={adapter_dir} --max-lora-rank "
         f"{max_lora_rank(adapter_dir)}"
     )
+    quantized = trained_quantization(adapter_dir)
+    if quantized:
+        text += (
+            f"\n  it trained on a {quantized['quantize']} base: vLLM applies it to the full-precision base, which "
+            "differs by the quantization error; to serve what trained, serve the merged model (lowmem-tpu merge)"
+        )
+    return text
