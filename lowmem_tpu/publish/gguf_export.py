@@ -117,12 +117,12 @@ def _merged(adapter: Path, scratch: Path, types: list[str]) -> Path:
 def _write_checked(
     source: Path, kind: str, model_dir: Path, types: list[str], out: Path, started: float
 ) -> dict[str, Any]:
+    from transformers import AutoConfig
+
     from lowmem_tpu.console import say
     from lowmem_tpu.model.loading import weight_files
     from lowmem_tpu.publish.base import load_causal_lm
     from lowmem_tpu.publish.gguf import write_gguf
-
-    from transformers import AutoConfig
 
     tokenizer = _tokenizer(model_dir)
     source_config = AutoConfig.from_pretrained(model_dir)
