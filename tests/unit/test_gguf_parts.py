@@ -170,3 +170,11 @@ def test_cli_refuses_an_unknown_gguf_type_before_loading_anything(tmp_path):
     result = command_cli("export", str(tmp_path), "--gguf", "q3_k")
     assert result.returncode == 2 and "choose from f32, f16, bf16, q8_0" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_cli_vllm_check_exits_2_naming_what_vllm_refuses(tmp_path):
+    layer = "base_model.model.model.layers.0.self_attn"
+    dora = _adapter(tmp_path / "dora", {"use_dora": True}, [f"{layer}.q_proj.lora_A.weight"])
+    result = command_cli("export", str(dora), "--vllm")
+    assert result.returncode == 2 and "vLLM would refuse the adapter" in result.stdout
+    assert "DoRA (use_dora: true)" in result.stdout and "Traceback" not in result.stderr
