@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -43,7 +44,7 @@ def generate_answers(final: Path, cases: list[tuple[str, str]]) -> list[str]:
 def llama_cpp_answers(path: Path, tokenizer, cases: list[tuple[str, str]]) -> list[str]:
     from llama_cpp import Llama
 
-    model = Llama(model_path=str(path), n_ctx=64, verbose=False, n_threads=2)
+    model = Llama(model_path=str(path), n_ctx=64, verbose=False, n_threads=os.cpu_count())
     answers = []
     for prompt, _ in cases:
         messages = [{"role": "user", "content": prompt}]

@@ -3,6 +3,7 @@ logits on the check prompts, computed on the CPU. Absent the package, ``export``
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,8 @@ def load(path: Path, context: int) -> Any:
     from lowmem_tpu.errors import UserError
 
     try:
-        return Llama(model_path=str(path), logits_all=True, n_ctx=max(context, 16), verbose=False, n_threads=2)
+        threads = os.cpu_count()
+        return Llama(model_path=str(path), logits_all=True, n_ctx=max(context, 16), verbose=False, n_threads=threads)
     except ValueError as err:
         raise UserError(
             f"llama.cpp does not load {path.name} ({err}); nothing was written. A llama-cpp-python older than the "
