@@ -238,6 +238,7 @@ def _train(job: Job, resume: Path | None) -> Any:
 def _build(recipe: Recipe, runtime, tokenizer, train_ds, eval_ds, micro: int, out: Path) -> Job:
     from lowmem_tpu import model as m
     from lowmem_tpu.config import parse_duration
+    from lowmem_tpu.config.schema import reference_precomputed
     from lowmem_tpu.memory.record import run_plan
     from lowmem_tpu.train.guard import GuardCallback
     from lowmem_tpu.train.metrics import JsonlLog, MetricsCallback
@@ -263,8 +264,9 @@ def _build(recipe: Recipe, runtime, tokenizer, train_ds, eval_ds, micro: int, ou
     wall = parse_duration(t.max_wall_time) if t.max_wall_time else None
     guard = GuardCallback(wall, t.loss_spike_factor, say, skip_nonfinite=t.on_nonfinite == "skip")
     preference = recipe.data.format == "preference"
+    reference_pass = preference and not reference_precomputed(recipe)
     flops = m.flops_per_token(
-        model.config, total, trainable, recipe.data.max_length, recipe.lora.enabled, reference_pass=preference
+        model.config, total, trainable, recipe.data.max_length, recipe.lora.enabled, reference_pass=reference_pass
     )
     plan = run_plan(recipe, model.config, runtime.platform, runtime.kind, runtime.num_devices)
     shown = [JsonlLog(recipe.output_dir, runtime), ProgressCallback()] if hosts.is_main() else []

@@ -67,7 +67,8 @@ def dpo(
     overwrite: OverwriteOpt = False,
     force_resume: ForceResumeOpt = False,
 ) -> None:
-    """Preference tuning with TRL's DPOTrainer: LoRA on the FSDP-sharded base, the base as the reference.
+    """Preference tuning with TRL's DPOTrainer: LoRA on the FSDP-sharded base, the base as the reference
+    (lora.enabled: false: the whole model, its reference's log-probabilities computed once before training).
 
     The recipe's data is preference pairs (data.format: preference); its preference section holds beta and
     the loss."""
@@ -112,11 +113,6 @@ def _check_method(command: str, recipe: Recipe) -> None:
         raise UserError(
             f"lowmem-tpu dpo trains on preference pairs and data.format is {recipe.data.format}: set data.format: "
             "preference with prompt/chosen/rejected data (TRL's preference formats), or run `lowmem-tpu sft`"
-        )
-    if command == "dpo" and not recipe.lora.enabled:
-        raise UserError(
-            "lora.enabled: false: full-parameter DPO needs a frozen copy of the model as its reference, which "
-            "lowmem-tpu does not build; train LoRA adapters (lora.enabled: true): their reference is the base"
         )
 
 

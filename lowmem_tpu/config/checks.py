@@ -231,6 +231,13 @@ def _preference_problems(recipe: Any) -> list[Problem]:
         )
         problems.append((("train.chunked_loss", "data.format"), message))
     p = recipe.preference
+    if not recipe.lora.enabled and p.precompute_ref_log_probs is False:
+        message = (
+            "preference.precompute_ref_log_probs: false with lora.enabled: false asks for a frozen copy of the whole "
+            "model as the reference, which lowmem-tpu does not make (twice the weights on every chip); set it to "
+            "true (or leave it out): the reference's log-probabilities are computed once, before training"
+        )
+        problems.append((("preference.precompute_ref_log_probs", "lora.enabled"), message))
     if "exo_pair" in p.loss_type and p.label_smoothing == 0:
         message = "preference.label_smoothing: loss exo_pair needs it above 0 (the EXO paper uses 1e-3)"
         problems.append((("preference.label_smoothing", "preference.loss_type"), message))

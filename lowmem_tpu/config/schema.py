@@ -263,6 +263,15 @@ class TrainSection(Section):
         return value
 
 
+def reference_precomputed(recipe: Recipe) -> bool:
+    """Whether a DPO run computes its reference's log-probabilities once, before training
+    (``preference.precompute_ref_log_probs``; by default exactly for full-parameter DPO)."""
+    if recipe.data.format != "preference":
+        return False
+    chosen = recipe.preference.precompute_ref_log_probs
+    return not recipe.lora.enabled if chosen is None else chosen
+
+
 def uses_master_weights(recipe: Recipe) -> bool:
     """Whether the optimizer keeps fp32 master weights: ``train.master_weights``, else whenever the trained
     weights are bf16 (full fine-tuning of a bf16 model, or adapters in the base's bf16: ``lora.dtype: model``)."""
@@ -274,8 +283,9 @@ def uses_master_weights(recipe: Recipe) -> bool:
 class PreferenceSection(Section):
     """Preference tuning (``lowmem-tpu dpo``, data.format: preference): TRL's DPOTrainer and its losses.
 
-    The reference is the policy with its adapters switched off (LoRA from fresh adapters: one model, no copy)
-    or a frozen copy of the adapter it starts from (``model.adapter``)."""
+    The reference is the policy with its adapters switched off (LoRA from fresh adapters: one model, no copy),
+    a frozen copy of the adapter it starts from (``model.adapter``), or, precomputed, the model as it is before
+    training, run once over the pairs (full-parameter DPO: no frozen copy of the model is made)."""
 
     beta: float = Field(0.1, gt=0, description="How far from the reference the policy may move (TRL's beta).")
     loss_type: list[Literal[DPO_LOSSES]] = Field(  # type: ignore[valid-type]
@@ -284,6 +294,12 @@ class PreferenceSection(Section):
         description="TRL's DPO loss(es): sigmoid (DPO), ipo, hinge, robust, apo_zero, sft (with sigmoid: RPO) ...",
     )
     label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="Label smoothing (robust, exo_pair, aot losses).")
+    precompute_ref_log_probs: bool | None = Field(
+        None,
+        description="The reference's log-probabilities computed in one pass over the pairs before training (TRL's "
+        "precompute_ref_log_probs), so no step runs the reference: full-parameter DPO needs it (no frozen copy of "
+        "the model is made). null: on exactly when lora.enabled is false.",
+    )
 
     @field_validator("loss_type", mode="before")
     @classmethod

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     import torch
 
 PAIR_COLUMNS = ("input_ids", "attention_mask", "completion_mask")  # each [2, max_length]: chosen, rejected
+REFERENCE_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")  # TRL's, where the reference is precomputed
 FIX = "fix or remove that record"
 BATCH = 1000  # records tokenized per tokenizer call
 
@@ -182,6 +183,7 @@ def collate_pairs(rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
     """TRL's preference batch at a static shape: ``[2 x batch, max_length]``, every chosen row first, then
     every rejected row in the same order (``DataCollatorForPreference``'s layout), as LongTensors; under
     ``host`` the same as numpy arrays."""
+    import numpy as np
     import torch
 
     if not rows:
@@ -192,6 +194,8 @@ def collate_pairs(rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         batch[key] = stacked.transpose(0, 1).reshape(-1, stacked.shape[-1])
     # The same rows kept on the host (numpy: the device loader moves only tensors), where TRL's loss runs
     batch["host"] = {key: value.numpy() for key, value in batch.items()}
+    for key in REFERENCE_COLUMNS if REFERENCE_COLUMNS[0] in rows[0] else ():  # precomputed: the host's alone
+        batch["host"][key] = np.asarray([row[key] for row in rows], dtype=np.float32)
     return batch
 
 

@@ -69,6 +69,8 @@ def _check_preference(saved: dict[str, Any], kind: str, directory: Path, fmt: st
     if (fmt or saved.get("data", {}).get("format")) != "preference":
         return
     started_from = saved.get("model", {}).get("adapter")
+    if kind != "adapter" and saved.get("lora", {}).get("enabled") is False:
+        return  # full-parameter DPO: its reference is the run's starting model, loaded again (``_reference_rows``)
     if kind != "adapter":
         raise UserError(
             f"{directory} is a merged model: preference scores compare it with its reference, the base under the "
@@ -92,6 +94,8 @@ def _score(recipe: Any, runtime: Any, trained: Any, rows: Any, prompts: list, mi
     model, tokenizer = trained.model, trained.tokenizer
     pairs = recipe.data.format == "preference"
     place_parameters(model, runtime, recipe.sharding.strategy)
+    if pairs and not recipe.lora.enabled:
+        rows = _reference_rows(recipe, runtime, rows, tokenizer, micro)
     build = build_preference_trainer if pairs else build_trainer
     trainer = build(recipe, runtime, model, rows, tokenizer, micro, [], eval_dataset=rows)
     if pairs and recipe.model.adapter:  # the reference: the adapter the run started from, not TRL's copy of this one
@@ -123,6 +127,27 @@ def _score(recipe: Any, runtime: Any, trained: Any, rows: Any, prompts: list, mi
         )
         result |= {"exact_match": em.accuracy, "exact_match_total": em.total, "examples": em.examples}
     return result
+
+
+def _reference_rows(recipe: Any, runtime: Any, rows: Any, tokenizer: Any, micro: int) -> Any:
+    """A full-parameter DPO run's pairs with its reference's log-probabilities: those of the model the run
+    started from (``model.name_or_path``, or its random init from the run's seed), loaded and freed first."""
+    import gc
+
+    from lowmem_tpu import model as m
+    from lowmem_tpu.console import say
+    from lowmem_tpu.train.preference import build_preference_trainer
+    from lowmem_tpu.xla.sharding import place_parameters
+
+    say(f"the reference: {recipe.model.name_or_path}, the model this full-parameter DPO run started from")
+    base = m.build_base_model(recipe.model, recipe.train.seed)
+    m.align_special_tokens(base, tokenizer)
+    place_parameters(base, runtime, recipe.sharding.strategy)
+    trainer = build_preference_trainer(recipe, runtime, base, rows, tokenizer, micro, [], eval_dataset=rows)
+    rows = trainer._with_reference(rows, "eval")
+    del trainer, base
+    gc.collect()
+    return rows
 
 
 def format_scores(directory: Path, result: dict[str, Any]) -> str:

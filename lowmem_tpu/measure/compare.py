@@ -17,7 +17,6 @@ from lowmem_tpu.config import Recipe, with_overrides
 from lowmem_tpu.config.devices import DEVICES
 from lowmem_tpu.config.platform import on_tpu
 from lowmem_tpu.console import size
-from lowmem_tpu.errors import UserError
 from lowmem_tpu.measure import local
 from lowmem_tpu.memory.advise import plan_json
 from lowmem_tpu.memory.plan import Plan, plan_setting
@@ -131,12 +130,6 @@ def compare_recipe(recipe: Recipe, steps: int, out: Path) -> dict[str, Any]:
     from lowmem_tpu.xla.runtime import refuse_on_a_slice
 
     refuse_on_a_slice("lowmem-tpu compare", recipe.runtime.device)
-    if recipe.data.format == "preference":
-        raise UserError(
-            "compare sets LoRA beside full fine-tuning, and full-parameter DPO is not built (its reference would "
-            "be a second copy of the model): `lowmem-tpu memory RECIPE --measure` measures this DPO step, "
-            "`--compile --device TPU` compiles it for a TPU"
-        )
     config = require_config(recipe)
     shape = shape_of(config)
     target = DEVICES.get(recipe.runtime.target or "")
@@ -155,6 +148,7 @@ def compare_recipe(recipe: Recipe, steps: int, out: Path) -> dict[str, Any]:
             modes[name]["planned_on_target"] = _planned(on_target) | {"device": target.name}
     result = {"model": recipe.model.name_or_path, "dtype": recipe.model.dtype, "modes": modes}
     result["quantize"] = recipe.model.quantize if recipe.lora.enabled else "none"
+    result["method"] = "dpo" if recipe.data.format == "preference" else "sft"
     out.mkdir(parents=True, exist_ok=True)
     (out / "compare.json").write_text(json.dumps(result, indent=2))
     try:
@@ -201,6 +195,12 @@ def format_compare(result: dict[str, Any]) -> str:
         values = [mode["measured"].get(key) for mode in (lora, full)]
         shown = ["n/a (not run)" if v is None else f"{v:,.1f}" for v in values]
         lines.append(f"  {label:<26}LoRA {shown[0]}, full {shown[1]}")
+    if result.get("method") == "dpo":
+        lines.append(
+            "  DPO: LoRA's reference is the base (adapters off), run in every step; full fine-tuning's reference "
+            "log-probabilities are computed once before training (no copy of the model); each step compiled as "
+            "one program"
+        )
     lines.append(f"measured: {lora['measured']['source']}")
     lines.append("planned: lowmem_tpu.memory, " + ("TPU" if lora["layout"] == "tpu" else "CPU-backend") + " layout")
     return "\n".join(lines)

@@ -8,6 +8,7 @@ from typing import Any
 
 from lowmem_tpu.config import Recipe
 from lowmem_tpu.config.devices import DEVICES
+from lowmem_tpu.config.schema import reference_precomputed
 from lowmem_tpu.console import size
 from lowmem_tpu.data.fill import Fill
 from lowmem_tpu.measure.tpu_compile import TpuCompile, compile_recipe, compile_target
@@ -231,7 +232,7 @@ def compile_beside_plan(
         plan.trainable_parameters,
         recipe.data.max_length,
         recipe.lora.enabled,
-        reference_pass=pairs,
+        reference_pass=pairs and not reference_precomputed(recipe),
     )
     cost = step_estimate(result, per_token * positions, positions, fill, fill_source)
     advice = None

@@ -151,7 +151,11 @@ def next_steps(s: Shape, plan: Plan) -> list[Step]:
 
 def _loss_kind(st: Setting) -> str:
     if st.preference:
-        return "DPO: TRL's LM head, policy and reference"
+        return (
+            "DPO: TRL's LM head, policy and reference"
+            if st.reference_pass
+            else "DPO: TRL's LM head, reference precomputed"
+        )
     return "chunked loss" if st.chunked_loss else "TRL's fused head" if st.fused_head else "full logits"
 
 

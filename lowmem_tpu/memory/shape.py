@@ -100,12 +100,19 @@ class Setting:
     attention: str = "eager"  # model.attn_implementation: eager/sdpa keep [length, length] scores, chunked/flash not
     checkpoint_every: int = 1  # with checkpointing: one decoder layer in this many is recomputed
     chunked_loss: bool = False  # train.chunked_loss: the loss over blocks of positions, no whole logits
-    preference: bool = False  # a DPO step: both rows of each pair (global_batch counts rows), a reference pass
+    preference: bool = False  # a DPO step: both rows of each pair (global_batch counts rows)
+    precompute_reference: bool | None = None  # preference.precompute_ref_log_probs (None: when not LoRA)
 
     @property
     def bits(self) -> int:
         """Bits per quantized weight (0: not quantized)."""
         return QUANT_BITS.get(self.quantize, 0)
+
+    @property
+    def reference_pass(self) -> bool:
+        """Whether each DPO step runs the reference's forward pass (not when its log-probs are precomputed)."""
+        precomputed = not self.lora if self.precompute_reference is None else self.precompute_reference
+        return self.preference and not precomputed
 
     @property
     def sequences(self) -> int:
@@ -154,6 +161,7 @@ def setting_of(recipe: Recipe, devices: int) -> Setting:
         adapter_dtype=recipe.model.dtype if lora.dtype == "model" else "float32",
         attention=getattr(recipe.model, "attn_implementation", "eager"),
         preference=recipe.data.format == "preference",
+        precompute_reference=recipe.preference.precompute_ref_log_probs,
     )
     problem = batch_split_problem(t.global_batch_size, t.gradient_accumulation_steps, devices)
     if problem:

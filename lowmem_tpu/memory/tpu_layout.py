@@ -216,12 +216,15 @@ TRAINED_HEAD_LOGITS = 2
 # the TPU compiler's figures for the shipped DPO recipes: 3.4 more than the SFT plan's one for Llama 3.1 8B on
 # v5e-8, 2.8 more for Llama 3.2 3B on v5e-1 (docs/tpu_compile.json).
 PREFERENCE_LOGITS = 4
+# The same with the reference's log-probabilities precomputed (full-parameter DPO): the policy's alone.
+PRECOMPUTED_PREFERENCE_LOGITS = 2
 
 
 def logits(s: Shape, st: Setting) -> int:
     """The loss's buffer: [tokens, vocab] in the compute dtype, or the chunked loss's blocks of it."""
     if st.preference:
-        return PREFERENCE_LOGITS * st.tokens * s.vocab * DTYPE_BYTES[st.dtype]
+        buffers = PREFERENCE_LOGITS if st.reference_pass else PRECOMPUTED_PREFERENCE_LOGITS
+        return buffers * st.tokens * s.vocab * DTYPE_BYTES[st.dtype]
     rows = CHUNKED_LOSS_BLOCKS * st.live_sequences * loss_block(st.length) if st.chunked_loss else st.tokens
     copies = TRAINED_HEAD_LOGITS if not st.lora and not st.chunked_loss and _spread(st) == "sharded" else 1
     return copies * rows * s.vocab * DTYPE_BYTES[st.dtype]

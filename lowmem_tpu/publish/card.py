@@ -129,6 +129,16 @@ def _method(recipe: dict[str, Any]) -> str:
     return f"preference tuning: DPO (TRL DPOTrainer, beta {p.get('beta')}, loss {losses}, PyTorch/XLA FSDP)"
 
 
+def _reference(recipe: dict[str, Any]) -> str:
+    """A DPO run's reference, as ``train.preference`` made it."""
+    lora = (recipe.get("lora") or {}).get("enabled", True)
+    precomputed = (recipe.get("preference") or {}).get("precompute_ref_log_probs")
+    what = "the base model" if lora else "the starting model"
+    if precomputed or (precomputed is None and not lora):
+        return f"{what}, its log-probabilities computed once, before the first step"
+    return f"{what} (adapters switched off), run beside the policy in every step"
+
+
 def _table(rows: list[tuple[str, Any]], head: tuple[str, str] = ("", "")) -> str:
     lines = [f"| {head[0]} | {head[1]} |", "|---|---|"]
     return "\n".join(lines + [f"| {k} | {v} |" for k, v in rows if v is not None])
@@ -183,6 +193,8 @@ def _recipe_section(recipe: dict[str, Any], metrics: dict[str, Any]) -> str:
         rows.insert(2, ("method", f"DPO, beta {p.get('beta')}, loss {'+'.join(p.get('loss_type') or [])}"))
         if m.get("adapter"):
             rows.insert(3, ("started from", f"`{m['adapter']}` (also the reference, frozen)"))
+        else:
+            rows.insert(3, ("reference", _reference(recipe)))
     command = "dpo" if dpo else "sft"
     rerun = f"The whole resolved recipe is in `recipe.yaml`; `{PROJECT} {command} recipe.yaml` runs it again."
     return "## Recipe\n\n" + _table(rows, ("setting", "value")) + "\n\n" + rerun

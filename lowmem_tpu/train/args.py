@@ -9,6 +9,7 @@ from trl import DPOConfig, SFTConfig
 
 from lowmem_tpu import hosts
 from lowmem_tpu.config import Recipe
+from lowmem_tpu.config.schema import reference_precomputed
 
 OPTIMIZERS = {"adamw": "adamw_torch", "adafactor": "adafactor"}  # trap ``fused-adamw`` (train.trainer)
 
@@ -34,6 +35,7 @@ def preference_args(recipe: Recipe, micro_batch: int) -> DPOConfig:
         label_smoothing=p.label_smoothing,
         max_length=None,
         disable_dropout=True,
+        precompute_ref_log_probs=reference_precomputed(recipe),  # computed on the devices (train.preference)
     )
 
 

@@ -6,7 +6,10 @@ batch to its longest pair, a new program for every length: trl#2001).
 
 The reference is the same model: with fresh adapters (B = 0) the policy with its adapters switched off,
 so the frozen sharded base serves both and no copy is made; starting from a trained adapter
-(``model.adapter``), TRL's frozen copy of it (the ``ref`` adapter).
+(``model.adapter``), TRL's frozen copy of it (the ``ref`` adapter). Precomputed
+(``preference.precompute_ref_log_probs``, full-parameter DPO's way): the model as it is before training, run
+once over the pairs; its log-probabilities ride with the rows (TRL's ``ref_chosen_logps`` columns) and no
+step runs the reference.
 
 TRL's ``_compute_loss`` runs unchanged on host copies of the forward passes' outputs (trap
 ``dpo-on-the-host``): the devices run three programs of static shape per micro-batch (the policy's forward
@@ -16,6 +19,7 @@ pass, the reference's, the backward pass); the host computes TRL's loss and metr
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,17 +37,49 @@ class XlaDPOTrainer(XlaTrainerMixin, DPOTrainer):
     """DPOTrainer with the XLA glue: static preference batches, TRL's loss and metrics on the host."""
 
     def __init__(self, *, fresh_adapters: bool = True, **kwargs: Any):
-        super().__init__(data_collator=collate_pairs, **kwargs)
+        with _weights_unhashed():  # trap ``dpo-reference-hash``
+            super().__init__(data_collator=collate_pairs, **kwargs)
         self.policy = self.model  # the PEFT model (transformers' FSDP path makes self.model the wrapper)
         self.one_program = False  # set where the step is measured, not trained (``measure.child``)
         if fresh_adapters and "ref" in getattr(self.policy, "peft_config", {}):
             self.policy.delete_adapter("ref")  # B = 0: the reference is the base, adapters switched off
-        elif self.recipe.lora.dtype == "model":  # TRL's ref copy is made in fp32: the policy's dtype, as it was
+        elif (
+            self.recipe.lora.enabled and self.recipe.lora.dtype == "model"
+        ):  # TRL's ref copy is made in fp32: the policy's dtype, as it was
             from lowmem_tpu.model.lora import in_base_dtype, model_dtype
 
             in_base_dtype(self.policy, model_dtype(self.recipe))
 
     base_log = DPOTrainer.log  # TRL's: the rewards, margins and accuracies it averaged
+
+    def _precompute_ref_logps(self, dataset: Any, name: str, batch_size: int) -> Any:
+        return dataset  # TRL's runs when the trainer is built: ours when training or scoring starts
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        if self.precompute_ref_logps:  # before a checkpoint is loaded: the reference is the starting model
+            self.train_dataset = self._with_reference(self.train_dataset, "train")
+            if self.eval_dataset is not None:
+                self.eval_dataset = self._with_reference(self.eval_dataset, "eval")
+        return super().train(*args, **kwargs)
+
+    def evaluate(self, eval_dataset: Any = None, **kwargs: Any) -> dict[str, float]:
+        if self.precompute_ref_logps and eval_dataset is None and self.eval_dataset is not None:
+            self.eval_dataset = self._with_reference(self.eval_dataset, "eval")
+        return super().evaluate(eval_dataset, **kwargs)
+
+    def _with_reference(self, dataset: Any, name: str) -> Any:
+        """``dataset`` with the reference's log-probabilities of each pair (TRL's ``ref_chosen_logps`` and
+        ``ref_rejected_logps``), computed on the devices by the model as it is now, which must be the
+        starting model (TRL's rule); rows that already carry them are kept."""
+        if "ref_chosen_logps" in dataset.column_names:
+            return dataset
+        if self.state.global_step > 0 and not self.recipe.lora.enabled:
+            raise RuntimeError(f"the {name} pairs' reference log-probabilities are due before the first step")
+        if self.placeholder_weights or self.one_program:  # a step measured, never trained: the values do not matter
+            chosen = rejected = [0.0] * len(dataset)
+        else:
+            chosen, rejected = reference_logps(self, dataset, name)
+        return dataset.add_column("ref_chosen_logps", chosen).add_column("ref_rejected_logps", rejected)
 
     def _prepare_dataset(self, dataset: Any, *args: Any, **kwargs: Any) -> Any:
         return dataset  # rows made by lowmem_tpu.data.preference
@@ -60,7 +96,7 @@ class XlaDPOTrainer(XlaTrainerMixin, DPOTrainer):
             return self._one_program_loss(model, inputs)
         host = {key: torch.from_numpy(value) for key, value in inputs["host"].items()}  # trap ``dpo-on-the-host``
         policy = OnDevice(model, inputs, self.runtime)
-        reference = OnDevice(model, inputs, self.runtime, reference_of=self.policy)
+        reference = None if self.precompute_ref_logps else OnDevice(model, inputs, self.runtime, self.policy)
         wrapper, self.model, self.ref_model = self.model, policy, reference
         try:
             result = DPOTrainer.compute_loss(self, policy, host, return_outputs)
@@ -79,10 +115,28 @@ class XlaDPOTrainer(XlaTrainerMixin, DPOTrainer):
         labels = inputs["input_ids"].masked_fill(inputs["completion_mask"] == 0, -100)
         batch = {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"], "labels": labels}
         policy = model(**batch, use_cache=False, fused_lm_head=True).log_probs.sum(-1)
-        with torch.no_grad(), as_reference(self.policy):
-            reference = model(**batch, use_cache=False, fused_lm_head=True).log_probs.sum(-1)
+        if self.precompute_ref_logps:  # read from the rows: no reference pass in the step
+            reference = torch.zeros_like(policy).detach()
+        else:
+            with torch.no_grad(), as_reference(self.policy):
+                reference = model(**batch, use_cache=False, fused_lm_head=True).log_probs.sum(-1)
         chosen, rejected = (policy - reference).chunk(2)
         return -F.logsigmoid(self.beta * (chosen - rejected)).mean()
+
+
+@contextlib.contextmanager
+def _weights_unhashed() -> Iterator[None]:
+    """Trap ``dpo-reference-hash``: with ``precompute_ref_log_probs`` TRL's ``DPOTrainer.__init__`` hashes every
+    weight on the host (``hash_module``, its key for a cache of the reference's log-probabilities), which would
+    bring a sharded model to one host; ours are computed on the devices and never cached, so nothing is hashed."""
+    import trl.trainer.dpo_trainer as trl_dpo
+
+    hashed = trl_dpo.hash_module
+    trl_dpo.hash_module = lambda module: "not hashed: lowmem-tpu computes the reference on the devices"
+    try:
+        yield
+    finally:
+        trl_dpo.hash_module = hashed
 
 
 class OnDevice(torch.nn.Module):
@@ -93,7 +147,7 @@ class OnDevice(torch.nn.Module):
 
     def __init__(
         self, model: torch.nn.Module, inputs: dict[str, Any], runtime: rt.Runtime, reference_of: Any = None
-    ) -> None:
+    ) -> None:  # ``reference_of`` a model without adapters: itself, as it is (``as_reference``)
         super().__init__()
         self.train(model.training)
         # Held outside nn.Module's registry: this view owns nothing and lives for one micro-batch.
@@ -116,10 +170,45 @@ class OnDevice(torch.nn.Module):
 
 
 def as_reference(peft: Any) -> Any:
-    """The policy as its reference, TRL's way: its frozen ``ref`` adapter where it keeps one, else no adapter."""
+    """The policy as its reference, TRL's way: its frozen ``ref`` adapter where it keeps one, else no adapter;
+    a model without adapters (full-parameter DPO, before training) as it is."""
     from trl.trainer.utils import use_adapter
 
+    if not hasattr(peft, "peft_config"):
+        return contextlib.nullcontext()
     return use_adapter(peft, "ref" if "ref" in peft.peft_config else None)
+
+
+def reference_logps(trainer: XlaDPOTrainer, dataset: Any, name: str) -> tuple[list[float], list[float]]:
+    """The reference's summed log-probabilities of each pair's chosen and rejected completion (TRL's
+    ``compute_ref_log_probs``): the forward pass TRL's loss calls (``OnDevice``), one static micro-batch at a
+    time, summed on the host as TRL sums the policy's, so that before training the policy equals its reference
+    bit for bit. The last micro-batch is filled up with the first pairs (static shapes), their values dropped."""
+    import math
+    import time
+
+    from lowmem_tpu.console import say
+
+    n, micro = len(dataset), trainer.args.per_device_eval_batch_size
+    filled = dataset.select([i % n for i in range(n + (-n) % micro)])
+    every = math.ceil(len(filled) // micro / 10)
+    model, started, sums = trainer.fsdp_model, time.perf_counter(), []
+    say(f"reference log-probabilities of {n:,} {name} pairs: one forward pass before training")
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        for index, batch in enumerate(trainer.get_eval_dataloader(filled), 1):
+            labels = torch.from_numpy(batch["host"]["input_ids"]).masked_fill(
+                torch.from_numpy(batch["host"]["completion_mask"]) == 0, -100
+            )
+            outputs = OnDevice(model, batch, trainer.runtime, reference_of=trainer.policy)(labels=labels)
+            sums.append(outputs.log_probs.sum(dim=1))
+            if index % every == 0:
+                say(f"  {min(index * micro, n):,}/{n:,} pairs ({time.perf_counter() - started:.0f} s)")
+    model.train(was_training)
+    chosen, rejected = zip(*(s.chunk(2) for s in sums), strict=True)  # rows: every chosen, then every rejected
+    say(f"reference log-probabilities: {n:,} {name} pairs in {time.perf_counter() - started:.1f} s")
+    return torch.cat(chosen)[:n].tolist(), torch.cat(rejected)[:n].tolist()
 
 
 def load_reference(peft: Any, adapter_dir: Path) -> None:

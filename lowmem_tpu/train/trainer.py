@@ -40,6 +40,10 @@ The traps of plain TRL on XLA, listed here and nowhere else; code and docs name 
   set by the data (a compile per batch). TRL's ``_compute_loss`` runs unchanged on host copies of the
   forward passes' outputs, made on the devices (every live tensor then device data), the gradient flowing
   back through the copies (``train.preference.OnDevice``).
+- ``dpo-reference-hash``: with ``precompute_ref_log_probs`` TRL's DPOTrainer hashes every weight on the host
+  when it is built (its cache key), a sharded model brought to one host; without it and without adapters TRL
+  loads a second copy of the model as the reference. The flag is set and the hash skipped: the reference's
+  log-probabilities are computed on the devices when training starts (``train.preference``).
 - ``loader-threads``: torch_xla's device loader starts prefetching threads at each iteration; a run that
   stops mid-epoch leaves them blocked on a full queue, batches held, for the life of the process: they
   are closed after ``train()``.

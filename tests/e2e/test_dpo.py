@@ -38,7 +38,9 @@ def _xla_step(
     base: Path, adapter: Path, pairs: int, beta: float, losses: str, out: Path, start: Path | None = None
 ) -> dict:
     """One XlaDPOTrainer loss on the devices, the policy ``adapter`` on ``base``; the reference the base, or
-    with ``start`` the frozen copy of that adapter TRL makes (the policy then moved to ``adapter``'s weights)."""
+    with ``start`` the frozen copy of that adapter TRL makes (the policy then moved to ``adapter``'s weights).
+    ``adapter`` a model directory: full-parameter DPO, the reference's log-probs precomputed by ``base``
+    (the model before training), the policy then moved to that model's weights."""
     import torch
 
     from lowmem_tpu import data
@@ -51,7 +53,9 @@ def _xla_step(
     from lowmem_tpu.xla.runtime import configure_environment, setup_runtime
     from lowmem_tpu.xla.sharding import place_parameters
 
-    overrides = [f"model.name_or_path={base}", "model.random_init=false", f"model.adapter={start or adapter}"]
+    full = not (adapter / "adapter_config.json").is_file()
+    overrides = [f"model.name_or_path={base}", "model.random_init=false"]
+    overrides += ["lora.enabled=false"] if full else [f"model.adapter={start or adapter}"]
     overrides += [f"output_dir={out}", f"train.global_batch_size={pairs}", f"preference.beta={beta}"]
     overrides += ["train.eval_steps=null", "data.eval_path=null", "train.eval_samples=0"]
     recipe = load_recipe("recipes/tiny_dpo_cpu.yaml", [*overrides, f"preference.loss_type=[{losses}]"])
@@ -67,9 +71,14 @@ def _xla_step(
         recipe=recipe, runtime=runtime, names=ParamNames(policy), model=policy,
         args=preference_args(recipe, pairs), train_dataset=rows, processing_class=tokenizer,
     )  # fmt: skip
-    if start:  # the policy moved away from the adapter it started from (and TRL's frozen copy of it)
-        from safetensors.torch import load_file
+    from safetensors.torch import load_file
 
+    if full:  # the reference as TRL computes it at the start, then the policy moves (a trained step's weights)
+        rows = trainer._with_reference(rows.select(range(pairs)), "train")
+        assert trainer.precompute_ref_logps
+        for key, value in load_file(str(adapter / "model.safetensors")).items():
+            trainer.names.params[key].data.copy_(value.to(runtime.device))
+    elif start:  # the policy moved away from the adapter it started from (and TRL's frozen copy of it)
         for key, value in load_file(str(adapter / "adapter_model.safetensors")).items():
             trainer.names.params[trainer.names.adapter_keys[key]].data.copy_(value.to(runtime.device))
     batch = collate_pairs([rows[i] for i in range(pairs)])
@@ -98,6 +107,71 @@ def test_the_xla_step_computes_trls_loss_and_rewards(tmp_path, losses):
     expected = load_file(str(tmp_path / "trl.json.grads.safetensors"))
     assert sorted(ours["grads"]) == sorted(expected) and expected
     for name, grad in expected.items():  # every adapter's gradient, as TRL computes it
+        assert torch.allclose(ours["grads"][name], grad, atol=1e-5, rtol=1e-3), name
+
+
+@pytest.mark.slow
+def test_a_full_parameter_dpo_run_starts_at_its_reference_and_eval_rebuilds_it(tmp_path):
+    """``dpo`` with lora.enabled=false: the reference precomputed before step 1 (ln 2, every margin 0), nothing
+    compiled after warm-up, the card says so, and ``eval`` on the saved model reloads the starting model as its
+    reference and gives the run's own after-training figures."""
+    out = tmp_path / "run"
+    overrides = [f"output_dir={out}", "lora.enabled=false", "train.max_steps=6", "train.logging_steps=2"]
+    overrides += ["train.eval_steps=3", "train.eval_samples=8", "train.global_batch_size=16"]
+    overrides += ["data.max_samples=256"]  # eval: every held-out pair, as eval scores them
+    overrides += ["preference.loss_type=sigmoid"]
+    done = subprocess.run(
+        [sys.executable, "-m", "lowmem_tpu.cli", "dpo", "recipes/tiny_dpo_cpu.yaml", *overrides],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "reference log-probabilities: 256 train pairs in" in done.stdout
+    metrics = json.loads((out / "final" / "metrics.json").read_text())
+    before, after = metrics["eval"]["before"], metrics["eval"]["after"]
+    assert before["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert before["reward_margin"] == 0 and before["preference_accuracy"] == 0  # bit for bit its reference
+    assert abs(after["reward_margin"]) > 1e-4 and metrics["compiles"]["after_warmup"] == 0
+    assert (out / "final" / "model.safetensors").is_file() and not (out / "final" / "adapter_config.json").exists()
+    from lowmem_tpu.publish.card import model_card
+
+    card = model_card(out / "final", "me/tiny-dpo", "model")
+    assert "| reference | the starting model, its log-probabilities computed once, before the first step |" in card
+    held_out = str(PAIRS.with_name("prefer_eval.jsonl"))
+    evaluate = [sys.executable, "-m", "lowmem_tpu.cli", "eval", str(out / "final"), "--data", held_out]
+    scored = subprocess.run([*evaluate, "--samples", "8", "--json"], capture_output=True, text=True, timeout=600)
+    assert scored.returncode == 0, scored.stderr[-2000:]
+    result = json.loads(scored.stdout)
+    assert result["loss"] == pytest.approx(after["loss"], abs=1e-5)
+    assert result["reward_margin"] == pytest.approx(after["reward_margin"], abs=1e-5)
+    assert result["preference_accuracy"] == pytest.approx(after["preference_accuracy"], abs=1e-6)
+
+
+def _moved(base: Path, out: Path) -> Path:
+    """A full model a step of training could have made from ``base``: every targeted weight changed."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    adapter = make_adapter(base, out.with_name(out.name + "-adapter"), r=4, seed=3)
+    merged = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter).merge_and_unload()
+    merged.save_pretrained(out)
+    return out
+
+
+def test_full_parameter_dpo_reads_the_precomputed_reference_as_trl_does(tmp_path):
+    """Full-parameter DPO: TRL's ``precompute_ref_log_probs`` (the reference computed by the model before
+    training), then the policy moved; loss, rewards and every weight's gradient equal TRL's on the CPU."""
+    base = make_base(tmp_path / "base")
+    moved = _moved(base, tmp_path / "moved")
+    trl = _trl_on_the_cpu(base, moved, 8, 0.5, "sigmoid", tmp_path / "trl.json")
+    ours = _xla_step(base, moved, 8, 0.5, "sigmoid", tmp_path / "run")
+    assert abs(trl["rewards/margins"]) > 1e-3  # the policy is not its reference
+    for key in COMPARED:
+        assert ours[key] == pytest.approx(trl[key], abs=1e-4), key
+    from safetensors.torch import load_file
+
+    expected = load_file(str(tmp_path / "trl.json.grads.safetensors"))
+    assert sorted(ours["grads"]) == sorted(expected) and "model.embed_tokens.weight" in expected
+    for name, grad in expected.items():
         assert torch.allclose(ours["grads"][name], grad, atol=1e-5, rtol=1e-3), name
 
 
@@ -142,17 +216,21 @@ def test_a_dpo_run_starts_at_ln_2_and_compiles_nothing_after_warm_up(tmp_path):
     assert result["exact_match"] == after["exact_match"]
 
 
-def test_memory_measures_the_dpo_step_and_compare_says_why_it_has_no_twin():
-    def cli(*args: str) -> subprocess.CompletedProcess[str]:
-        command = [sys.executable, "-m", "lowmem_tpu.cli", *args, "recipes/tiny_dpo_cpu.yaml"]
-        return subprocess.run(command, capture_output=True, text=True, timeout=600)
+def test_memory_measures_the_dpo_step_and_compare_sets_lora_beside_full_parameter_dpo(tmp_path):
+    def cli(command: str, *args: str) -> subprocess.CompletedProcess[str]:
+        line = [sys.executable, "-m", "lowmem_tpu.cli", command, "recipes/tiny_dpo_cpu.yaml", *args]
+        return subprocess.run(line, capture_output=True, text=True, timeout=600)
 
     measured = cli("memory", "--measure", "--device", "cpu")
     assert measured.returncode == 0, measured.stderr[-2000:]
     assert "the DPO step as one program compiled in" in measured.stdout
-    refused = cli("compare")
-    assert refused.returncode == 2 and "full-parameter DPO is not built" in refused.stderr
-    assert "Traceback" not in refused.stderr
+    compared = cli("compare", f"output_dir={tmp_path}")
+    assert compared.returncode == 0, compared.stderr[-2000:]
+    result = json.loads((tmp_path / "compare" / "compare.json").read_text())
+    assert result["method"] == "dpo" and "reference log-probabilities are computed once" in compared.stdout
+    lora, full = (result["modes"][mode]["measured"] for mode in ("lora", "full"))
+    assert lora["fits"] and full["fits"] and full["compiler"]["total_bytes"] > 0
+    assert full["compiler_peak"] != lora["compiler_peak"]  # two programs: the full one trains every weight
 
 
 def test_a_run_from_a_trained_adapter_compares_with_its_frozen_copy_as_trl_does(tmp_path):

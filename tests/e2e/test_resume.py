@@ -116,19 +116,24 @@ def test_full_fine_tuning_resumes_exactly_from_a_save_between_logs(uninterrupted
         assert torch.allclose(a[key], b[key], atol=1e-6, rtol=0), key
 
 
-def test_a_dpo_run_stopped_by_sigterm_resumes_exactly(tmp_path):
-    """The preference trainer saves at the step boundary and resumes on the same losses (TRL's, read on the host)."""
+@pytest.mark.parametrize("mode", ["lora", "full"])
+def test_a_dpo_run_stopped_by_sigterm_resumes_exactly(tmp_path, mode):
+    """The preference trainer saves at the step boundary and resumes on the same losses (TRL's, read on the host);
+    full-parameter DPO computes its reference again from the starting model before the checkpoint is loaded."""
+    extra = ("lora.enabled=false",) if mode == "full" else ()
     whole = tmp_path / "whole"
-    assert run(whole, command=DPO).returncode == 0
+    assert run(whole, *extra, command=DPO).returncode == 0
     out = tmp_path / "run"
-    code, stdout, stderr = _stop_at_step_3(out, signal.SIGTERM, command=DPO)
+    code, stdout, stderr = _stop_at_step_3(out, signal.SIGTERM, *extra, command=DPO)
     assert code == 143 and "Run the same command again to resume" in stdout, stderr[-3000:]
-    resumed = run(out, command=DPO)
+    resumed = run(out, *extra, command=DPO)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming from" in resumed.stdout
+    assert ("reference log-probabilities of" in resumed.stdout) == (mode == "full")
     after, before = losses(out), losses(whole)
     assert after and all(loss == before[step] for step, loss in after.items())  # the resumed steps', bit for bit
-    a = load_file(str(whole / "final" / "adapter_model.safetensors"))
-    b = load_file(str(out / "final" / "adapter_model.safetensors"))
+    weights = "model.safetensors" if mode == "full" else "adapter_model.safetensors"
+    a = load_file(str(whole / "final" / weights))
+    b = load_file(str(out / "final" / weights))
     assert all(torch.equal(a[key], b[key]) for key in a)
     assert json.loads((out / "final" / "metrics.json").read_text())["compiles"]["after_warmup"] == 0

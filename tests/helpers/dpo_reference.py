@@ -5,6 +5,8 @@ adapters' gradients as OUT.json.grads.safetensors.
 
 The policy is BASE with the LoRA adapter ADAPTER (TRL builds the PEFT model from the adapter's config, the
 adapter's weights are then loaded); the reference is BASE with the adapters switched off, TRL's own way.
+ADAPTER a model directory instead: full-parameter DPO, TRL's ``precompute_ref_log_probs`` on BASE (the model
+before training), the policy then moved to ADAPTER's weights; every weight's gradient is saved.
 TRL tokenizes the first PAIRS records of DATA itself and pads them with its own collator.
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import datasets
 import torch
@@ -35,8 +38,15 @@ def main(base: str, adapter: str, data: str, pairs: str, beta: str, losses: str,
     args = DPOConfig(
         output_dir=f"{out}.trainer", use_cpu=True, report_to=[], beta=float(beta), loss_type=losses.split(","),
         per_device_train_batch_size=int(pairs), max_length=None,
+        bf16=False,  # as a run's DPOConfig (train.args): TRL's default would autocast its reference pass to bf16
     )  # fmt: skip
-    if start:  # a PEFT model handed over: TRL copies its adapter into the frozen "ref" one
+    full = not Path(adapter, "adapter_config.json").is_file()
+    if full:  # the reference's log-probs computed by BASE when the trainer is built, then the policy moves
+        args.precompute_ref_log_probs = True
+        trainer = DPOTrainer(model=model, args=args, train_dataset=records, processing_class=tokenizer)
+        moved = AutoModelForCausalLM.from_pretrained(adapter, dtype=torch.float32).state_dict()
+        trainer.model.load_state_dict(moved)
+    elif start:  # a PEFT model handed over: TRL copies its adapter into the frozen "ref" one
         model = PeftModel.from_pretrained(model, start, is_trainable=True)
         trainer = DPOTrainer(model=model, args=args, train_dataset=records, processing_class=tokenizer)
     else:
@@ -45,7 +55,8 @@ def main(base: str, adapter: str, data: str, pairs: str, beta: str, losses: str,
         trainer = DPOTrainer(
             model=model, args=args, train_dataset=records, processing_class=tokenizer, peft_config=lora,
         )  # fmt: skip
-    set_peft_model_state_dict(trainer.model, load_file(f"{adapter}/adapter_model.safetensors"))
+    if not full:
+        set_peft_model_state_dict(trainer.model, load_file(f"{adapter}/adapter_model.safetensors"))
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(int(pairs))])
     trainer.model.train()
     loss = trainer.compute_loss(trainer.model, batch)

@@ -175,8 +175,9 @@ def test_sft_data_given_to_dpo_and_pairs_given_to_sft_exit_2(tmp_path):
     pairs += ["data.eval_path=builtin:reverse/prefer_eval.jsonl"]
     given_to_sft = command_cli("sft", "recipes/tiny_lora_cpu.yaml", *pairs)
     assert given_to_sft.returncode == 2 and "lowmem-tpu dpo" in given_to_sft.stderr
-    full = command_cli("dpo", "recipes/tiny_lora_cpu.yaml", *pairs, "lora.enabled=false")
-    assert full.returncode == 2 and "full-parameter DPO" in full.stderr
+    copy = ["lora.enabled=false", "preference.precompute_ref_log_probs=false"]  # a frozen copy: not made
+    full = command_cli("dpo", "recipes/tiny_lora_cpu.yaml", *pairs, *copy)
+    assert full.returncode == 2 and "a frozen copy of the whole model" in full.stderr
     assert not (tmp_path / "run").exists()
 
 
