@@ -93,9 +93,9 @@ def _score(recipe: Any, runtime: Any, trained: Any, rows: Any, prompts: list, mi
 
     model, tokenizer = trained.model, trained.tokenizer
     pairs = recipe.data.format == "preference"
-    place_parameters(model, runtime, recipe.sharding.strategy)
-    if pairs and not recipe.lora.enabled:
+    if pairs and not recipe.lora.enabled:  # before the trained model is placed: one model on the devices at a time
         rows = _reference_rows(recipe, runtime, rows, tokenizer, micro)
+    place_parameters(model, runtime, recipe.sharding.strategy)
     build = build_preference_trainer if pairs else build_trainer
     trainer = build(recipe, runtime, model, rows, tokenizer, micro, [], eval_dataset=rows)
     if pairs and recipe.model.adapter:  # the reference: the adapter the run started from, not TRL's copy of this one

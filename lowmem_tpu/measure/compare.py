@@ -137,7 +137,9 @@ def compare_recipe(recipe: Recipe, steps: int, out: Path) -> dict[str, Any]:
     for name, enabled in (("lora", True), ("full", False)):
         # Full fine-tuning trains the base itself: a quantized (QLoRA) recipe's twin is unquantized.
         unquantized = [] if enabled else ["model.quantize=none"]
-        variant = with_overrides(recipe, [f"lora.enabled={str(enabled).lower()}", *unquantized])
+        # DPO: each mode's own reference (LoRA's run in every step, full fine-tuning's computed once)
+        reference = ["preference.precompute_ref_log_probs=null"] if recipe.data.format == "preference" else []
+        variant = with_overrides(recipe, [f"lora.enabled={str(enabled).lower()}", *unquantized, *reference])
         measured = _measured(variant, steps)
         layout = "tpu" if on_tpu(variant.runtime.device) else "cpu"
         setting = setting_of(variant, measured["devices"])

@@ -12,8 +12,8 @@ once over the pairs; its log-probabilities ride with the rows (TRL's ``ref_chose
 step runs the reference.
 
 TRL's ``_compute_loss`` runs unchanged on host copies of the forward passes' outputs (trap
-``dpo-on-the-host``): the devices run three programs of static shape per micro-batch (the policy's forward
-pass, the reference's, the backward pass); the host computes TRL's loss and metrics in between.
+``dpo-on-the-host``): the devices run programs of static shape per micro-batch (the policy's forward pass,
+the reference's unless precomputed, the backward pass); the host computes TRL's loss and metrics in between.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from trl import DPOTrainer
 
+from lowmem_tpu.console import say
 from lowmem_tpu.data.preference import collate_pairs
 from lowmem_tpu.errors import UserError
 from lowmem_tpu.train.args import preference_args
@@ -41,6 +42,8 @@ class XlaDPOTrainer(XlaTrainerMixin, DPOTrainer):
             super().__init__(data_collator=collate_pairs, **kwargs)
         self.policy = self.model  # the PEFT model (transformers' FSDP path makes self.model the wrapper)
         self.one_program = False  # set where the step is measured, not trained (``measure.child``)
+        self.weights_moved = False  # a checkpoint loaded or a step taken: no longer the starting model
+        self._built = True
         if fresh_adapters and "ref" in getattr(self.policy, "peft_config", {}):
             self.policy.delete_adapter("ref")  # B = 0: the reference is the base, adapters switched off
         elif (
@@ -52,14 +55,36 @@ class XlaDPOTrainer(XlaTrainerMixin, DPOTrainer):
 
     base_log = DPOTrainer.log  # TRL's: the rewards, margins and accuracies it averaged
 
+    _built = False
+
     def _precompute_ref_logps(self, dataset: Any, name: str, batch_size: int) -> Any:
-        return dataset  # TRL's runs when the trainer is built: ours when training or scoring starts
+        # TRL calls it when the trainer is built (ours waits until training or scoring starts: the measured
+        # step's flags are set after that) and from ``evaluate(dataset)``
+        return self._with_reference(dataset, name) if self._built else dataset
+
+    def _reference_columns(self) -> None:
+        """The training and held-out pairs with their reference's log-probabilities, while the weights are
+        still the starting model's."""
+        if not self.precompute_ref_logps:
+            return
+        reads = self.recipe.train.global_batch_size * self.recipe.train.max_steps
+        if "ref_chosen_logps" not in self.train_dataset.column_names and len(self.train_dataset) > reads:
+            say(
+                f"note: the run reads {reads:,} of its {len(self.train_dataset):,} pairs; all of them are scored by "
+                f"the reference (data.max_samples={reads} scores only as many)"
+            )
+        self.train_dataset = self._with_reference(self.train_dataset, "train")
+        if self.eval_dataset is not None:
+            self.eval_dataset = self._with_reference(self.eval_dataset, "eval")
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        self._reference_columns()  # from the starting weights, before the checkpoint's replace them
+        self.weights_moved = True
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
-        if self.precompute_ref_logps:  # before a checkpoint is loaded: the reference is the starting model
-            self.train_dataset = self._with_reference(self.train_dataset, "train")
-            if self.eval_dataset is not None:
-                self.eval_dataset = self._with_reference(self.eval_dataset, "eval")
+        self._reference_columns()
+        self.weights_moved = True
         return super().train(*args, **kwargs)
 
     def evaluate(self, eval_dataset: Any = None, **kwargs: Any) -> dict[str, float]:
@@ -73,8 +98,8 @@ class XlaDPOTrainer(XlaTrainerMixin, DPOTrainer):
         starting model (TRL's rule); rows that already carry them are kept."""
         if "ref_chosen_logps" in dataset.column_names:
             return dataset
-        if self.state.global_step > 0 and not self.recipe.lora.enabled:
-            raise RuntimeError(f"the {name} pairs' reference log-probabilities are due before the first step")
+        if self.weights_moved and not self.recipe.lora.enabled:  # LoRA's reference is frozen: any time will do
+            raise RuntimeError(f"the {name} pairs' reference is the starting model, whose weights have moved")
         if self.placeholder_weights or self.one_program:  # a step measured, never trained: the values do not matter
             chosen = rejected = [0.0] * len(dataset)
         else:
@@ -107,9 +132,9 @@ class XlaDPOTrainer(XlaTrainerMixin, DPOTrainer):
 
     def _one_program_loss(self, model: torch.nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
         """The step a compiler sizes (``memory --compile`` and ``--measure``, never a run): the sigmoid DPO loss
-        written on the devices, so that the policy's forward pass, the reference's and the backward pass are
-        one program. A run computes TRL's own loss on the host between those passes (trap
-        ``dpo-on-the-host``); the tensors the devices hold are the same."""
+        written on the devices, so that the policy's forward pass, the reference's (unless precomputed) and
+        the backward pass are one program. A run computes TRL's own loss on the host between those passes
+        (trap ``dpo-on-the-host``); the tensors the devices hold are the same."""
         import torch.nn.functional as F
 
         labels = inputs["input_ids"].masked_fill(inputs["completion_mask"] == 0, -100)
@@ -186,8 +211,6 @@ def reference_logps(trainer: XlaDPOTrainer, dataset: Any, name: str) -> tuple[li
     bit for bit. The last micro-batch is filled up with the first pairs (static shapes), their values dropped."""
     import math
     import time
-
-    from lowmem_tpu.console import say
 
     n, micro = len(dataset), trainer.args.per_device_eval_batch_size
     filled = dataset.select([i % n for i in range(n + (-n) % micro)])
