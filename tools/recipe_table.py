@@ -563,6 +563,7 @@ TABLES: list[tuple[Path, str, Callable[[], str]]] = [
     (DOCS / "speed.md", "tune-llama3-3b-lora-v5e1", tune_table("tune_llama3_3b_lora_v5e1.json")),
     (DOCS / "speed.md", "tune-llama3-8b-lora-v5e8", tune_table("tune_llama3_8b_lora_v5e8.json")),
     (DOCS / "speed.md", "tune-qwen3-8b-lora-v5e8", tune_table("tune_qwen3_8b_lora_v5e8.json")),
+    (DOCS / "speed.md", "tune-mistral-7b-lora-v5e8", tune_table("tune_mistral_7b_lora_v5e8.json")),
     (DOCS / "speed.md", "adapter-dtype-loss", benchmark_table("adapter_dtype_loss")),
     (DOCS / "preference.md", "dpo-demo", benchmark_table("dpo_demo")),
     (DOCS / "serving.md", "gguf-demo", benchmark_table("gguf_demo")),
