@@ -46,16 +46,14 @@ class XlaDPOTrainer(XlaTrainerMixin, DPOTrainer):
         self._built = True
         if fresh_adapters and "ref" in getattr(self.policy, "peft_config", {}):
             self.policy.delete_adapter("ref")  # B = 0: the reference is the base, adapters switched off
-        elif (
-            self.recipe.lora.enabled and self.recipe.lora.dtype == "model"
-        ):  # TRL's ref copy is made in fp32: the policy's dtype, as it was
+        elif self.recipe.lora.enabled and self.recipe.lora.dtype == "model":
+            # TRL's ref copy is made in fp32: the policy's dtype, as it was
             from lowmem_tpu.model.lora import in_base_dtype, model_dtype
 
             in_base_dtype(self.policy, model_dtype(self.recipe))
 
     base_log = DPOTrainer.log  # TRL's: the rewards, margins and accuracies it averaged
-
-    _built = False
+    _built = False  # True once __init__ is done (TRL calls ``_precompute_ref_logps`` inside it)
 
     def _precompute_ref_logps(self, dataset: Any, name: str, batch_size: int) -> Any:
         # TRL calls it when the trainer is built (ours waits until training or scoring starts: the measured
