@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-LANES = 128
+from lowmem_tpu.model.rope import LANES
 
 
 def flash_attention_forward(

@@ -3,7 +3,8 @@
 Parameters are moved to the devices one at a time and sharded on arrival, so a device
 never holds a replicated copy of the whole model. Each decoder layer is then wrapped
 in ``SpmdFullyShardedDataParallel`` (optionally around torch_xla's ``checkpoint_module``)
-and the whole model in one more wrapper that shards the output along the batch.
+and the whole model in one more wrapper that shards the output along the batch. Its rotary
+embeddings rotate by a matmul (``model.rope``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from torch import nn
 
 from lowmem_tpu.config import ShardingSection
 from lowmem_tpu.model import layer_class
+from lowmem_tpu.model.rope import use_matmul_rotation
 from lowmem_tpu.xla.runtime import Runtime
 
 
@@ -113,6 +115,7 @@ def wrap_model(model: nn.Module, cfg: ShardingSection, runtime: Runtime) -> nn.M
     from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel as FSDPv2
 
     gather_packed(model, runtime.mesh)
+    use_matmul_rotation(model)  # rotary embeddings without lane shuffles (model.rope)
     layer = layer_class(model, cfg.layer_class)
     every = cfg.checkpoint_every
     if cfg.scan_layers:

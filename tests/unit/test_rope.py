@@ -1,0 +1,79 @@
+"""Rotary embeddings by a matmul (``model.rope``) against each family's own ``rotate_half`` and forward pass:
+the same bits, in bfloat16, on the stand-ins of every family (tests/helpers/families.py)."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import pytest
+import torch
+from families import NAMES
+from transformers import AutoModelForCausalLM
+
+from lowmem_tpu.model.rope import _ORIGINAL, by_matmul, rotation, use_matmul_rotation
+
+ALL = (*NAMES, "gemma3_multimodal")
+
+
+def _standard(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+@pytest.fixture
+def restore_rotations():
+    """Each module swapped during the test gets its own ``rotate_half`` back."""
+    yield
+    for module in list(sys.modules.values()):
+        original = getattr(module, _ORIGINAL, None) if module is not None else None
+        if original is not None:
+            module.rotate_half = original
+            delattr(module, _ORIGINAL)
+
+
+@pytest.mark.parametrize("n", [8, 48, 64, 100, 128])
+def test_the_rotation_matrix_is_rotate_half_bit_for_bit(n):
+    x = torch.randn(2, 4, 7, n).to(torch.bfloat16)
+    assert torch.equal(x @ rotation(n, torch.bfloat16, x.device), _standard(x))
+    swapped = by_matmul(_standard)
+    assert torch.equal(swapped(x), _standard(x))
+
+
+def test_lane_aligned_halves_and_other_dtypes_keep_the_models_own_path():
+    calls = []
+
+    def original(x):
+        calls.append(x.shape[-1])
+        return _standard(x)
+
+    swapped = by_matmul(original)
+    swapped(torch.randn(1, 256).to(torch.bfloat16))  # half of 256 is 128 lanes: no shuffle to save
+    swapped(torch.randn(1, 100))  # fp32: a TPU's default matmul precision would round it
+    swapped(torch.randn(1, 100).to(torch.bfloat16))
+    assert calls == [256, 100]
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_every_family_computes_the_same_logits_with_the_matmul_rotation(stand_ins, name, restore_rotations):
+    model = AutoModelForCausalLM.from_pretrained(stand_ins[name], dtype=torch.bfloat16).eval()
+    ids = torch.randint(3, 500, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        reference = model(input_ids=ids).logits
+        swapped = use_matmul_rotation(model)
+        assert type(model).__module__ in swapped  # every shipped family rotates halves
+        assert torch.equal(model(input_ids=ids).logits, reference)
+    assert use_matmul_rotation(model) == swapped  # idempotent
+
+
+def test_a_family_that_rotates_pairs_keeps_its_own(restore_rotations):
+    """GLM rotates interleaved pairs (x[..., 0::2], x[..., 1::2]): not the same values, so not swapped."""
+    glm = importlib.import_module("transformers.models.glm.modeling_glm")
+    own = glm.rotate_half
+
+    class Layer(torch.nn.Module):
+        pass
+
+    Layer.__module__ = glm.__name__
+    assert use_matmul_rotation(torch.nn.Sequential(Layer())) == []
+    assert glm.rotate_half is own
