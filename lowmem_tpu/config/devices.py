@@ -33,6 +33,10 @@ class Generation:
     clock_hz: float | None = None
 
 
+# A TPU vector register's lane count: every TPU generation tiles an array's last dimension in 128 lanes.
+LANES = 128
+
+
 def _g(gib: float) -> int:
     return int(gib * GiB)
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from lowmem_tpu.model.rope import LANES
+from lowmem_tpu.config.devices import LANES
 
 
 def flash_attention_forward(

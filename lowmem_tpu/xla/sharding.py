@@ -3,8 +3,7 @@
 Parameters are moved to the devices one at a time and sharded on arrival, so a device
 never holds a replicated copy of the whole model. Each decoder layer is then wrapped
 in ``SpmdFullyShardedDataParallel`` (optionally around torch_xla's ``checkpoint_module``)
-and the whole model in one more wrapper that shards the output along the batch. Its rotary
-embeddings rotate by a matmul (``model.rope``).
+and the whole model in one more wrapper that shards the output along the batch.
 """
 
 from __future__ import annotations

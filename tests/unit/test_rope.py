@@ -1,5 +1,6 @@
 """Rotary embeddings by a matmul (``model.rope``) against each family's own ``rotate_half`` and forward pass:
-the same bits, in bfloat16, on the stand-ins of every family (tests/helpers/families.py)."""
+the same values in bfloat16 (``torch.equal``), on the stand-ins of every family (tests/helpers/families.py),
+PEFT-wrapped as a run wraps them."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import sys
 import pytest
 import torch
 from families import NAMES
+from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from lowmem_tpu.model.rope import _ORIGINAL, by_matmul, rotation, use_matmul_rotation
@@ -33,8 +35,8 @@ def restore_rotations():
 
 
 @pytest.mark.parametrize("n", [8, 48, 64, 100, 128])
-def test_the_rotation_matrix_is_rotate_half_bit_for_bit(n):
-    x = torch.randn(2, 4, 7, n).to(torch.bfloat16)
+def test_the_rotation_matrix_gives_rotate_halfs_values(n):
+    x = torch.randn(2, 4, 7, n, generator=torch.Generator().manual_seed(n)).to(torch.bfloat16)
     assert torch.equal(x @ rotation(n, torch.bfloat16, x.device), _standard(x))
     swapped = by_matmul(_standard)
     assert torch.equal(swapped(x), _standard(x))
@@ -56,24 +58,26 @@ def test_lane_aligned_halves_and_other_dtypes_keep_the_models_own_path():
 
 @pytest.mark.parametrize("name", ALL)
 def test_every_family_computes_the_same_logits_with_the_matmul_rotation(stand_ins, name, restore_rotations):
-    model = AutoModelForCausalLM.from_pretrained(stand_ins[name], dtype=torch.bfloat16).eval()
+    base = AutoModelForCausalLM.from_pretrained(stand_ins[name], dtype=torch.bfloat16)
+    model = get_peft_model(base, LoraConfig(r=4, target_modules=["o_proj"])).eval()
     ids = torch.randint(3, 500, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         reference = model(input_ids=ids).logits
         swapped = use_matmul_rotation(model)
-        assert type(model).__module__ in swapped  # every shipped family rotates halves
+        assert type(base).__module__ in swapped  # every shipped family rotates halves
         assert torch.equal(model(input_ids=ids).logits, reference)
     assert use_matmul_rotation(model) == swapped  # idempotent
 
 
-def test_a_family_that_rotates_pairs_keeps_its_own(restore_rotations):
-    """GLM rotates interleaved pairs (x[..., 0::2], x[..., 1::2]): not the same values, so not swapped."""
-    glm = importlib.import_module("transformers.models.glm.modeling_glm")
-    own = glm.rotate_half
+@pytest.mark.parametrize("family", ["glm", "cohere", "nanochat"])
+def test_a_family_that_rotates_otherwise_keeps_its_own(family, restore_rotations):
+    """GLM and Cohere rotate interleaved pairs, NanoChat halves with the other sign: not swapped."""
+    modeling = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    own = modeling.rotate_half
 
     class Layer(torch.nn.Module):
         pass
 
-    Layer.__module__ = glm.__name__
+    Layer.__module__ = modeling.__name__
     assert use_matmul_rotation(torch.nn.Sequential(Layer())) == []
-    assert glm.rotate_half is own
+    assert modeling.rotate_half is own
