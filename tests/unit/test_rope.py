@@ -81,3 +81,18 @@ def test_a_family_that_rotates_otherwise_keeps_its_own(family, restore_rotations
     Layer.__module__ = modeling.__name__
     assert use_matmul_rotation(torch.nn.Sequential(Layer())) == []
     assert modeling.rotate_half is own
+
+
+def test_a_partial_rotary_slice_rotates_the_same(restore_rotations):
+    """Phi-4-mini's layout: only the first 3/4 of each head rotates (``partial_rotary_factor``)."""
+    from families import family_config
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(**{**family_config("phi3"), "partial_rotary_factor": 0.75})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    ids = torch.randint(3, 500, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        reference = model(input_ids=ids).logits
+        assert use_matmul_rotation(model)
+        assert torch.equal(model(input_ids=ids).logits, reference)
