@@ -564,6 +564,8 @@ TABLES: list[tuple[Path, str, Callable[[], str]]] = [
     (DOCS / "speed.md", "tune-llama3-8b-lora-v5e8", tune_table("tune_llama3_8b_lora_v5e8.json")),
     (DOCS / "speed.md", "tune-qwen3-8b-lora-v5e8", tune_table("tune_qwen3_8b_lora_v5e8.json")),
     (DOCS / "speed.md", "tune-mistral-7b-lora-v5e8", tune_table("tune_mistral_7b_lora_v5e8.json")),
+    (DOCS / "speed.md", "tune-phi4-lora-v5e8", tune_table("tune_phi4_lora_v5e8.json")),
+    (DOCS / "speed.md", "tune-gemma2-9b-lora-v5e8", tune_table("tune_gemma2_9b_lora_v5e8.json")),
     (DOCS / "speed.md", "adapter-dtype-loss", benchmark_table("adapter_dtype_loss")),
     (DOCS / "preference.md", "dpo-demo", benchmark_table("dpo_demo")),
     (DOCS / "serving.md", "gguf-demo", benchmark_table("gguf_demo")),
