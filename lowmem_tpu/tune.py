@@ -1,7 +1,7 @@
 """``lowmem-tpu tune RECIPE``: the fastest settings that fit the target, by the TPU compiler.
 
 It searches the micro-batch per chip x activation checkpointing (every layer, every_2, every_4,
-none) x attention (the recipe's, and flash where the target and length allow it) x packing (where
+none) x attention (the recipe's, and flash where the target, the length and the model allow it) x packing (where
 the data is at hand and packing fills rows fuller). The planner drops what is far from fitting; each
 survivor is compiled by libtpu for the target (at 2 and 4 layers, extrapolated, for a model of more
 than 4 layers) and ranked by useful tokens/s/chip under libtpu's cost model
@@ -80,11 +80,17 @@ KNOBS = ("rows", "checkpointing", "attention", "packing")
 
 
 def candidates(
-    recipe: Recipe, device: Device, fills: dict[bool, float | None], grow_batch: bool, keep: tuple[str, ...] = ()
+    recipe: Recipe,
+    device: Device,
+    fills: dict[bool, float | None],
+    grow_batch: bool,
+    keep: tuple[str, ...] = (),
+    flash: bool = True,
 ) -> list[Candidate]:
     """Every setting to try, the recipe's own first, then the least recomputation and most rows first.
 
-    ``keep``: knobs (of :data:`KNOBS`) held as the recipe has them."""
+    ``keep``: knobs (of :data:`KNOBS`) held as the recipe has them; ``flash``: whether the model's attention
+    allows flash (:func:`flash_allowed`)."""
     train, chips = recipe.train, device.devices
     rows_now = train.global_batch_size // train.gradient_accumulation_steps // chips
     per_step = train.global_batch_size // chips  # rows per chip per optimizer step
@@ -92,7 +98,7 @@ def candidates(
     if grow_batch:
         sizes |= {rows_now * k: 1 for k in (2, 4)}
     attentions = [recipe.model.attn_implementation]
-    if device.generation != "cpu" and "flash" not in attentions and flash_tiles(recipe.data.max_length):
+    if flash and device.generation != "cpu" and "flash" not in attentions and flash_tiles(recipe.data.max_length):
         attentions.append("flash")
     packings = [recipe.data.packing]
     if fills.get(True) and fills.get(False) and fills[True] > fills[False] and not recipe.data.packing:
@@ -132,7 +138,7 @@ def tune(
     source = f"measured on {found.samples} records of the recipe's data" if found.padded else found.why
     started = time.monotonic()
     tried: list[Tried] = []
-    grid = candidates(recipe, device, fills, grow_batch, keep)
+    grid = candidates(recipe, device, fills, grow_batch, keep, flash_allowed(recipe))
     for k, candidate in enumerate(grid):
         item = Tried(candidate)
         tried.append(item)
@@ -143,6 +149,14 @@ def tune(
         if report:
             report(k + 1, len(grid), item)
     return tried, fills, source
+
+
+def flash_allowed(recipe: Recipe) -> bool:
+    """Whether flash computes the recipe's model (no sliding windows, no soft-capped scores)."""
+    from lowmem_tpu.config.features import flash_refusal
+    from lowmem_tpu.model.loading import require_config
+
+    return flash_refusal(require_config(recipe)) is None
 
 
 def _try(recipe: Recipe, device: Device, item: Tried, fill: float | None, source: str) -> None:

@@ -8,7 +8,7 @@ import yaml
 
 from lowmem_tpu.config import load_recipe
 from lowmem_tpu.config.devices import DEVICES
-from lowmem_tpu.tune import Candidate, Tried, best, candidates, tuned_yaml
+from lowmem_tpu.tune import Candidate, Tried, best, candidates, flash_allowed, tuned_yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "recipes" / "open_llama_lora.yaml"
@@ -41,6 +41,14 @@ def test_no_packing_without_a_fuller_fill_and_no_flash_off_a_tpu_or_where_it_can
     assert {c.packing for c in unknown} == {False}
     short = load_recipe(str(RECIPE), ["runtime.device=tpu", *BEFORE, "data.max_length=600"])
     assert {c.attention for c in candidates(short, DEVICES["v5e-8"], {}, grow_batch=False)} == {"eager"}
+
+
+def test_no_flash_where_the_model_windows_or_caps_its_attention():
+    """Gemma 2's scores are soft-capped: flash would compute another model, so tune never offers it."""
+    gemma2 = load_recipe(str(RECIPE.parent / "gemma2_9b_lora_v5e8.yaml"))
+    assert not flash_allowed(gemma2)
+    assert {c.attention for c in candidates(gemma2, DEVICES["v5e-8"], {}, False, flash=False)} == {"eager"}
+    assert flash_allowed(load_recipe(str(RECIPE)))
 
 
 def test_the_tuned_recipe_extends_the_original_and_sets_only_what_changed(tmp_path):
