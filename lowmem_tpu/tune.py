@@ -152,11 +152,11 @@ def tune(
 
 
 def flash_allowed(recipe: Recipe) -> bool:
-    """Whether flash computes the recipe's model (no sliding windows, no soft-capped scores)."""
-    from lowmem_tpu.config.features import flash_refusal
+    """Whether flash computes the recipe's model at its length (no window its rows meet, no soft-capped scores)."""
+    from lowmem_tpu.config.features import attention_of
     from lowmem_tpu.model.loading import require_config
 
-    return flash_refusal(require_config(recipe)) is None
+    return attention_of(require_config(recipe)).flash_refusal(recipe.data.max_length) is None
 
 
 def _try(recipe: Recipe, device: Device, item: Tried, fill: float | None, source: str) -> None:

@@ -6,6 +6,7 @@ model builder, ``validate``, the planner and its advisor decide alike. Imports n
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
@@ -36,17 +37,64 @@ def sliding_window(config: Any) -> int | None:
     return int(window)
 
 
-def attention_features(config: Any) -> list[str]:
-    """What the model's attention does beyond causal softmax attention, in words (empty: nothing)."""
+@dataclass(frozen=True)
+class Attention:
+    """What a model's attention does beyond causal softmax attention, and what that rules out.
+
+    A window of ``window`` keys hides a key only from a query ``window`` or more positions later
+    (transformers' sliding-window mask: ``q - k < window``), so rows of ``length <= window`` tokens
+    never meet it: at that length the model's attention is plain causal attention.
+    """
+
+    model_type: str = "this model"
+    window: int | None = None
+    softcap: float | None = None
+
+    def features(self, length: int) -> list[str]:
+        """What rows of ``length`` tokens meet beyond causal attention, in words (empty: nothing)."""
+        features = []
+        if self.window is not None and self.window < length:
+            features.append(f"sliding windows of {self.window} keys (rows of {length} tokens)")
+        if self.softcap:
+            features.append(f"attention scores soft-capped at {self.softcap:g}")
+        return features
+
+    def flash_refusal(self, length: int) -> str | None:
+        """Why ``model.attn_implementation: flash`` cannot compute this attention on rows of ``length``, or None.
+
+        torch_xla 2.9's Pallas ``flash_attention`` takes causal masking, segment ids and an additive bias
+        ``ab`` only (experimental/custom_kernel.py): no window and no soft-cap.
+        """
+        features = self.features(length)
+        if not features:
+            return None
+        return (
+            f"model.attn_implementation: flash (torch_xla's Pallas kernel) has no {' or '.join(features)}, which "
+            f"{self.model_type} defines; use chunked (the same memory saving, computing the model's own attention) "
+            "or eager"
+        )
+
+    def packed_mask_refusal(self, length: int) -> str | None:
+        """Why eager/sdpa attention cannot take packed rows of ``length`` tokens, or None: packed rows reach
+        them as one [length, length] mask (``model.attention.packed_mask``), which transformers uses as given,
+        in place of the window it would build."""
+        if self.window is None or self.window >= length:
+            return None
+        return (
+            f"data.packing: packed rows reach eager/sdpa attention as one mask in place of {self.model_type}'s "
+            f"sliding window of {self.window} keys, which rows of {length} tokens meet; use "
+            "model.attn_implementation: chunked (packed rows and windows both), or data.packing: false"
+        )
+
+
+def attention_of(config: Any) -> Attention:
+    """The attention a transformers config (or a config.json read as attributes) defines."""
     text = text_config(config)
-    features = []
-    window = sliding_window(config)
-    if window:
-        features.append(f"sliding windows of {window} keys")
-    cap = getattr(text, "attn_logit_softcapping", None)
-    if cap:
-        features.append(f"attention scores soft-capped at {cap:g}")
-    return features
+    return Attention(
+        model_type=getattr(text, "model_type", None) or "this model",
+        window=sliding_window(config),
+        softcap=getattr(text, "attn_logit_softcapping", None) or None,
+    )
 
 
 def chunked_loss_refusal(config: Any) -> str | None:
@@ -58,20 +106,4 @@ def chunked_loss_refusal(config: Any) -> str | None:
     return (
         f"train.chunked_loss: {getattr(text, 'model_type', 'this model')} scales or soft-caps its logits, which the "
         "chunked loss does not do; set train.chunked_loss: false"
-    )
-
-
-def flash_refusal(config: Any) -> str | None:
-    """Why ``model.attn_implementation: flash`` cannot compute this model's attention, or None.
-
-    torch_xla 2.9's Pallas ``flash_attention`` takes causal masking, segment ids and an additive bias
-    ``ab`` only (experimental/custom_kernel.py): no window and no soft-cap.
-    """
-    features = attention_features(config)
-    if not features:
-        return None
-    return (
-        f"model.attn_implementation: flash (torch_xla's Pallas kernel) has no {' or '.join(features)}, which "
-        f"{getattr(text_config(config), 'model_type', 'this model')} defines; use chunked "
-        "(the same memory saving, computing the model's own attention) or eager"
     )

@@ -68,7 +68,7 @@ def _attention(st: Setting, s: Shape, layout: str) -> tuple[Setting, str, str] |
     lengths its backward tiles."""
     if st.attention in ("chunked", "flash"):
         return None
-    if layout == "tpu" and flash_tiles(st.length) and not s.flash_refusal:
+    if layout == "tpu" and flash_tiles(st.length) and not s.attention.flash_refusal(st.length):
         text = "flash attention (torch_xla's Pallas kernel: no [length, length] scores)"
         return replace(st, attention="flash"), text, "model.attn_implementation=flash"
     text = "chunked attention (keys in blocks of 128: no [length, length] scores)"
@@ -192,8 +192,9 @@ def plan_recipe(recipe: Recipe, device: str, config: Any) -> MemoryReport:
     (``model.loading.require_config``: the caller reads it, so the planner imports no model code)."""
     target = find_device(device, recipe.runtime.num_cpu_devices)
     shape = shape_of(config)
-    if recipe.model.attn_implementation == "flash" and shape.flash_refusal:
-        raise UserError(shape.flash_refusal)
+    refusal = shape.attention.flash_refusal(recipe.data.max_length)
+    if recipe.model.attn_implementation == "flash" and refusal:
+        raise UserError(refusal)
     layout = "cpu" if target.name == "cpu" else "tpu"
     st = setting_of(recipe, target.devices)
     plan = plan_setting(shape, st, layout, target.hbm_bytes)

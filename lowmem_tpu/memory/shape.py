@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from lowmem_tpu.config import Recipe
-from lowmem_tpu.config.features import chunked_loss_refusal, flash_refusal, text_config
+from lowmem_tpu.config.features import Attention, attention_of, chunked_loss_refusal, text_config
 from lowmem_tpu.config.model_fields import LORA_TARGETS, QUANT_BITS
 from lowmem_tpu.config.rules import batch_split_problem
 from lowmem_tpu.config.schema import uses_master_weights
@@ -27,7 +27,9 @@ class Shape:
     tied: bool
     attention_bias: bool = False
     mlp_bias: bool = False
-    flash_refusal: str | None = None  # why flash cannot compute this attention (windows, soft-capped scores)
+    attention: Attention = field(
+        default_factory=Attention
+    )  # windows, soft-capped scores: what flash or packed masks rule out
     chunked_loss_refusal: str | None = None  # why the chunked loss cannot compute this model's logits
 
 
@@ -52,7 +54,7 @@ def shape_of(config: Any) -> Shape:
         tied=bool(getattr(config, "tie_word_embeddings", getattr(outer, "tie_word_embeddings", False))),
         attention_bias=bool(getattr(config, "attention_bias", False)),
         mlp_bias=bool(getattr(config, "mlp_bias", False)),
-        flash_refusal=flash_refusal(outer),
+        attention=attention_of(outer),
         chunked_loss_refusal=chunked_loss_refusal(outer),
     )
 

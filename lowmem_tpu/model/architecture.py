@@ -6,7 +6,7 @@ import re
 from typing import Any
 
 from lowmem_tpu.config import Recipe
-from lowmem_tpu.config.features import chunked_loss_refusal, flash_refusal, text_config
+from lowmem_tpu.config.features import attention_of, chunked_loss_refusal, text_config
 from lowmem_tpu.config.model_fields import LORA_TARGETS
 from lowmem_tpu.errors import UserError
 from lowmem_tpu.model.loading import load_config, meta_model
@@ -20,11 +20,16 @@ def check_model(recipe: Recipe) -> str:
     positions = getattr(text_config(config), "max_position_embeddings", None)
     if positions and recipe.data.max_length > positions:
         raise UserError(f"data.max_length: {recipe.data.max_length} exceeds the model's {positions} positions")
+    attention, length = attention_of(config), recipe.data.max_length
     for asked, refusal in (
-        (recipe.model.attn_implementation == "flash", flash_refusal),
-        (recipe.train.chunked_loss, chunked_loss_refusal),
+        (recipe.model.attn_implementation == "flash", lambda: attention.flash_refusal(length)),
+        (
+            recipe.data.packing and recipe.model.attn_implementation in ("eager", "sdpa"),
+            lambda: attention.packed_mask_refusal(length),
+        ),
+        (recipe.train.chunked_loss, lambda: chunked_loss_refusal(config)),
     ):
-        reason = refusal(config) if asked else None
+        reason = refusal() if asked else None
         if reason:
             raise UserError(reason)
     if recipe.model.quantize != "none":

@@ -8,9 +8,10 @@ the batch like q, as pytorch/xla's test/test_pallas_spmd.py does in
 test_flash_attention_spmd_data_parallel_with_segment_ids), so a token sees only its own sample.
 Unpacked rows pass none: they are right-padded and the mask is causal, so no real token ever sees
 a padding key (padding queries produce values the loss masks out). Left padding (generation) is
-not supported: generation uses sdpa. A head size that is not a multiple of 128 lanes (Open
-Llama's is 100) is zero-padded to the next multiple and sliced back (q.k and the output are
-unchanged), at that compute cost.
+not supported: generation uses sdpa. A model's sliding window is taken only where it cannot bind
+(rows no longer than the window: ``config.features.Attention``), a soft-cap never. A head size that
+is not a multiple of 128 lanes (Open Llama's is 100) is zero-padded to the next multiple and sliced
+back (q.k and the output are unchanged), at that compute cost.
 On the CPU backend the kernel cannot run ("Only interpret mode is supported on CPU backend"):
 the recipe refuses ``flash`` there and names ``chunked``.
 """
@@ -39,6 +40,9 @@ def flash_attention_forward(
 
     from lowmem_tpu.model.attention import heads_for_every_query
 
+    window, length = kwargs.get("sliding_window"), query.shape[2]
+    if kwargs.get("softcap") or (window is not None and window < length):  # validate refuses such recipes
+        raise RuntimeError(f"flash attention has no soft-cap and no window ({window} keys, rows of {length})")
     key, value, scale = heads_for_every_query(query, key, value, scaling)
     head = query.shape[-1]
     pad = -head % LANES

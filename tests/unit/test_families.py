@@ -151,7 +151,11 @@ def test_the_advisor_offers_flash_only_where_it_computes_the_model(tmp_path, nam
     rows += ["sharding.activation_checkpointing=false"]
     recipe = load_recipe(None, [f"model.name_or_path={tmp_path}", "model.random_init=true", *rows])
     overrides = [step.override for step in plan_recipe(recipe, "v5e-1", require_config(recipe)).steps]
-    assert ("model.attn_implementation=flash" in overrides) is flash, overrides
+    offered = "model.attn_implementation=flash" in overrides
+    assert offered or not flash, overrides
+    if offered and not flash:  # a window of 4096 keys: flash only once the rows are no longer than it
+        shorter = [o for o in overrides[: overrides.index("model.attn_implementation=flash")] if "max_length" in o]
+        assert name != "gemma2" and shorter and int(shorter[-1].split("=")[1]) <= 4096, overrides
     if name == "gemma2":  # soft-capped logits: the chunked loss does not compute them
         assert "train.chunked_loss=true" not in overrides, overrides
 
