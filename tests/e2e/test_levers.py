@@ -97,6 +97,30 @@ def test_flash_attention_on_a_tpu_equals_eager():  # pragma: no cover - TPU only
     assert all((eg[n] - fg[n]).abs().max() <= 5e-2 * eg[n].abs().max() + 1e-5 for n in eg)
 
 
+@pytest.mark.tpu
+def test_flash_on_a_tpu_equals_a_windowed_models_eager_attention_on_rows_as_long_as_its_window():  # pragma: no cover
+    """Mistral's window of 128 keys on rows of 128 tokens: flash (no window) computes the model (config.features)."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from lowmem_tpu.config import RuntimeSection
+    from lowmem_tpu.xla.runtime import setup_runtime
+
+    runtime = setup_runtime(RuntimeSection(device="tpu"))
+    n = runtime.num_devices
+    models = {}
+    for impl in ("eager", "flash"):
+        attention.register(impl)
+        config = MistralConfig(vocab_size=50, hidden_size=40, intermediate_size=64, num_hidden_layers=1,
+                               num_attention_heads=4, num_key_value_heads=2, sliding_window=128,
+                               attn_implementation=attention.transformers_name(impl))  # fmt: skip
+        torch.manual_seed(0)
+        models[impl] = MistralForCausalLM(config)
+    ids, mask = torch.randint(0, 50, (n, 128)), torch.ones(n, 128, dtype=torch.long)
+    el, eloss, _ = _run(models["eager"], ids, mask, "cpu")
+    fl, floss, _ = _run(models["flash"], ids, mask, runtime.device)
+    assert (el - fl).abs().max() < 2e-2 and abs(eloss - floss) < 1e-2  # the kernel computes in bf16
+
+
 # ----------------------------------------------------------------------------- train.chunked_loss
 
 
