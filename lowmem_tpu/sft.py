@@ -251,6 +251,7 @@ def _build(recipe: Recipe, runtime, tokenizer, train_ds, eval_ds, micro: int, ou
     quant = f", {recipe.model.quantize} base" if recipe.model.quantize != "none" else ""
     say(f"loading {recipe.model.name_or_path} ({recipe.model.dtype}{init}{quant})")
     model = m.build_base_model(recipe.model, recipe.train.seed)
+    m.check_attention(recipe, model.config)  # validate's check, for a config that was not at hand offline
     m.align_special_tokens(model, tokenizer)
     base = _base_reference(recipe, model, tokenizer, out)
     m.quantize_base(model, recipe.model)  # after saving a random-init base in full precision

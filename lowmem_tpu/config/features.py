@@ -86,6 +86,15 @@ class Attention:
             "model.attn_implementation: chunked (packed rows and windows both), or data.packing: false"
         )
 
+    def refusal(self, implementation: str, packing: bool, length: int) -> str | None:
+        """Why ``model.attn_implementation: implementation`` on rows of ``length`` (packed or not) does not
+        compute this attention, or None."""
+        if implementation == "flash":
+            return self.flash_refusal(length)
+        if packing and implementation in ("eager", "sdpa"):
+            return self.packed_mask_refusal(length)
+        return None
+
 
 def attention_of(config: Any) -> Attention:
     """The attention a transformers config (or a config.json read as attributes) defines."""

@@ -192,8 +192,9 @@ def plan_recipe(recipe: Recipe, device: str, config: Any) -> MemoryReport:
     (``model.loading.require_config``: the caller reads it, so the planner imports no model code)."""
     target = find_device(device, recipe.runtime.num_cpu_devices)
     shape = shape_of(config)
-    refusal = shape.attention.flash_refusal(recipe.data.max_length)
-    if recipe.model.attn_implementation == "flash" and refusal:
+    data = recipe.data
+    refusal = shape.attention.refusal(recipe.model.attn_implementation, data.packing, data.max_length)
+    if refusal:
         raise UserError(refusal)
     layout = "cpu" if target.name == "cpu" else "tpu"
     st = setting_of(recipe, target.devices)

@@ -4,7 +4,7 @@ Imports ``config`` and ``errors`` only, never ``xla``: what lives here runs on t
 transformers and peft are imported inside the functions that need them.
 """
 
-from lowmem_tpu.model.architecture import check_model, count_parameters, flops_per_token, layer_class
+from lowmem_tpu.model.architecture import check_attention, check_model, count_parameters, flops_per_token, layer_class
 from lowmem_tpu.model.loading import (
     build_base_model,
     load_config,
@@ -21,6 +21,7 @@ __all__ = [
     "align_special_tokens",
     "apply_lora",
     "build_base_model",
+    "check_attention",
     "check_model",
     "check_vocabulary",
     "count_parameters",

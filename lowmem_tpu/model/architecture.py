@@ -20,18 +20,9 @@ def check_model(recipe: Recipe) -> str:
     positions = getattr(text_config(config), "max_position_embeddings", None)
     if positions and recipe.data.max_length > positions:
         raise UserError(f"data.max_length: {recipe.data.max_length} exceeds the model's {positions} positions")
-    attention, length = attention_of(config), recipe.data.max_length
-    for asked, refusal in (
-        (recipe.model.attn_implementation == "flash", lambda: attention.flash_refusal(length)),
-        (
-            recipe.data.packing and recipe.model.attn_implementation in ("eager", "sdpa"),
-            lambda: attention.packed_mask_refusal(length),
-        ),
-        (recipe.train.chunked_loss, lambda: chunked_loss_refusal(config)),
-    ):
-        reason = refusal() if asked else None
-        if reason:
-            raise UserError(reason)
+    check_attention(recipe, config)
+    if recipe.train.chunked_loss and (reason := chunked_loss_refusal(config)):
+        raise UserError(reason)
     if recipe.model.quantize != "none":
         from lowmem_tpu.model.quantize import check_quantizable
 
@@ -43,6 +34,15 @@ def check_model(recipe: Recipe) -> str:
     params = sum(p.numel() for p in model.parameters())
     count = sum(isinstance(m, layer) for m in model.modules())
     return f"{type(model).__name__}, {params / 1e9:.2f} B parameters, {count} x {layer.__name__}"
+
+
+def check_attention(recipe: Recipe, config: Any) -> None:
+    """Refuse an attention setting that would not compute the model's own attention (windows, soft-caps);
+    ``sft`` checks the built model's config again, for a model whose config was not at hand offline."""
+    data = recipe.data
+    reason = attention_of(config).refusal(recipe.model.attn_implementation, data.packing, data.max_length)
+    if reason:
+        raise UserError(reason)
 
 
 def layer_class(model: Any, name: str | None) -> type:

@@ -35,14 +35,14 @@ def flash_attention_forward(
     dropout: float = 0.0,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
+    window, length = kwargs.get("sliding_window"), query.shape[2]
+    if kwargs.get("softcap") or (window is not None and window < length):  # validate refuses such recipes
+        raise RuntimeError(f"flash attention has no soft-cap and no window ({window} keys, rows of {length})")
     import torch_xla.distributed.spmd as xs
     from torch_xla.experimental.custom_kernel import flash_attention
 
     from lowmem_tpu.model.attention import heads_for_every_query
 
-    window, length = kwargs.get("sliding_window"), query.shape[2]
-    if kwargs.get("softcap") or (window is not None and window < length):  # validate refuses such recipes
-        raise RuntimeError(f"flash attention has no soft-cap and no window ({window} keys, rows of {length})")
     key, value, scale = heads_for_every_query(query, key, value, scaling)
     head = query.shape[-1]
     pad = -head % LANES

@@ -109,3 +109,38 @@ def test_packing_with_a_mask_is_refused_where_the_rows_meet_the_window(stand_ins
     check_model(
         _recipe(path, "data.packing=true", "model.attn_implementation=chunked", f"data.max_length={window + 1}")
     )
+
+
+@pytest.mark.parametrize("name", ["mistral", "gemma3"])
+def test_packed_eager_rows_longer_than_the_window_would_lose_it(stand_ins, name):
+    """Why packing with a mask is refused there: the packed row's mask replaces the window, a long sample's
+    losses change. ``chunked`` (segment ids and the window, block by block) keeps them: e2e/test_family_attention."""
+    window, path = _window(stand_ins[name]), stand_ins[name]
+    rng = np.random.default_rng(1)
+    samples = [(ids, ids.copy()) for ids in (rng.integers(3, 300, n) for n in (2 * window, 3))]
+    model = _eager(path)
+    as_tensors = lambda arrays: {k: torch.as_tensor(v, dtype=torch.long) for k, v in arrays.items()}  # noqa: E731
+    alone = _losses(model, as_tensors(_pad(samples, 2 * window + 3, 0)))
+    rows = as_tensors(_pack(samples, 2 * window + 3, 0))
+    packed = _losses(model, packed_inputs(rows, "eager", torch.float32), rows["segment_ids"])
+    assert packed[0] != pytest.approx(alone[0], rel=1e-5, abs=1e-5)  # equal to 1e-5 when the window binds nothing
+    assert attention_of(model.config).refusal("eager", True, 2 * window + 3)
+
+
+def test_memory_and_tune_refuse_packed_eager_rows_that_meet_the_window(stand_ins):
+    from lowmem_tpu.memory.advise import plan_recipe
+    from lowmem_tpu.model.loading import require_config
+
+    recipe = _recipe(stand_ins["mistral"], "data.packing=true", "model.attn_implementation=eager", "data.max_length=64")
+    with pytest.raises(UserError, match=r"data.packing: .*sliding window"):
+        plan_recipe(recipe, "v5e-8", require_config(recipe))
+
+
+def test_the_flash_kernel_refuses_a_window_its_rows_meet_or_a_soft_cap():
+    from lowmem_tpu.xla.attention import flash_attention_forward
+
+    q = torch.zeros(1, 2, 8, 4)
+    with pytest.raises(RuntimeError, match="no window"):
+        flash_attention_forward(None, q, q, q, None, sliding_window=7)
+    with pytest.raises(RuntimeError, match="no soft-cap"):
+        flash_attention_forward(None, q, q, q, None, softcap=50.0)
