@@ -568,6 +568,8 @@ TABLES: list[tuple[Path, str, Callable[[], str]]] = [
     (DOCS / "speed.md", "tune-gemma2-9b-lora-v5e8", tune_table("tune_gemma2_9b_lora_v5e8.json")),
     (DOCS / "speed.md", "tune-phi3-mini-lora-v5e1", tune_table("tune_phi3_mini_lora_v5e1.json")),
     (DOCS / "speed.md", "tune-gemma3-4b-lora-v5e1", tune_table("tune_gemma3_4b_lora_v5e1.json")),
+    (DOCS / "speed.md", "tune-llama3-8b-qlora-v5e1", tune_table("tune_llama3_8b_qlora_v5e1.json")),
+    (DOCS / "speed.md", "tune-llama3-8b-qlora-v5e1-rows", tune_table("tune_llama3_8b_qlora_v5e1_rows.json")),
     (DOCS / "speed.md", "adapter-dtype-loss", benchmark_table("adapter_dtype_loss")),
     (DOCS / "preference.md", "dpo-demo", benchmark_table("dpo_demo")),
     (DOCS / "serving.md", "gguf-demo", benchmark_table("gguf_demo")),
