@@ -58,6 +58,8 @@ def main() -> None:
     local = [f"model.name_or_path={model}", f"data.path={data}", *STEPS, f"train.max_steps={args.steps}"]
     local.append("train.resume=never")
     full = ["train.optimizer=adamw", "train.learning_rate=2e-5", "train.lr_scheduler=constant"]
+    full += ["model.attn_implementation=eager", "data.packing=false", "train.gradient_accumulation_steps=1"]
+    full += ["sharding.activation_checkpointing=true"]  # the TPU-tuned speed settings left out on the CPU
     runs = {
         "lora": ("recipes/open_llama_lora.yaml", ["model.attn_implementation=chunked", "data.packing=false"]),
         "full bf16, master weights": ("recipes/open_llama_full.yaml", full),

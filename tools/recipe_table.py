@@ -568,6 +568,7 @@ TABLES: list[tuple[Path, str, Callable[[], str]]] = [
     (DOCS / "speed.md", "tune-gemma2-9b-lora-v5e8", tune_table("tune_gemma2_9b_lora_v5e8.json")),
     (DOCS / "speed.md", "tune-phi3-mini-lora-v5e1", tune_table("tune_phi3_mini_lora_v5e1.json")),
     (DOCS / "speed.md", "tune-gemma3-4b-lora-v5e1", tune_table("tune_gemma3_4b_lora_v5e1.json")),
+    (DOCS / "speed.md", "tune-open-llama-full", tune_table("tune_open_llama_full.json")),
     (DOCS / "speed.md", "tune-llama3-8b-qlora-v5e1", tune_table("tune_llama3_8b_qlora_v5e1.json")),
     (DOCS / "speed.md", "tune-llama3-8b-qlora-v5e1-rows", tune_table("tune_llama3_8b_qlora_v5e1_rows.json")),
     (DOCS / "speed.md", "adapter-dtype-loss", benchmark_table("adapter_dtype_loss")),

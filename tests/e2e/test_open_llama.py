@@ -116,6 +116,7 @@ def test_lora_on_the_bf16_base_through_the_shipped_recipe(model_dir, alpaca, tmp
 def full_runs(model_dir, alpaca, tmp_path_factory):
     # The case: AdamW at a realistic full fine-tuning rate, constant, 10 steps, bf16 vs fp32.
     common = ["train.max_steps=10", "train.optimizer=adamw", "train.learning_rate=2e-5", "train.lr_scheduler=constant"]
+    common += ["train.gradient_accumulation_steps=1"]  # the recipe's 4 micro-batches of 1 row need 32 rows a step
     runs = {}
     for dtype in ("bfloat16", "float32"):
         out = tmp_path_factory.mktemp(f"full-{dtype}")
@@ -162,7 +163,7 @@ def test_the_shipped_full_recipe_on_8_devices_with_shards_that_do_not_divide(mod
     env = {k: v for k, v in os.environ.items() if k not in ("PJRT_DEVICE", "CPU_NUM_DEVICES")}
     cmd = [sys.executable, "-m", "lowmem_tpu.cli", "sft", "recipes/open_llama_full.yaml", f"output_dir={tmp_path}"]
     cmd += [f"model.name_or_path={model_dir}", f"data.path={alpaca}", *STEPS, "runtime.num_cpu_devices=8"]
-    cmd += ["train.max_steps=2"]
+    cmd += ["train.max_steps=2", "train.gradient_accumulation_steps=1"]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "full on 8 CPU devices" in done.stdout and (tmp_path / "final" / "model.safetensors").exists()
@@ -174,6 +175,7 @@ def test_bf16_full_fine_tuning_resumes_from_its_fp32_master_weights(model_dir, a
     from safetensors.torch import load_file
 
     common = ["train.max_steps=4", "train.save_steps=2", "train.learning_rate=1e-4", "train.lr_scheduler=constant"]
+    common += ["train.gradient_accumulation_steps=1"]
     whole = sft("recipes/open_llama_full.yaml", tmp_path / "whole", model_dir, alpaca, *common)
     sft("recipes/open_llama_full.yaml", tmp_path / "cut", model_dir, alpaca, *common, "train.max_steps=2")
     (tmp_path / "cut" / "final").rename(tmp_path / "cut" / "final-at-2")

@@ -56,7 +56,7 @@ def test_show_applies_overrides_and_the_parents_values():
     assert shown["lora"]["enabled"] is False and shown["train"]["optimizer"] == "adafactor"  # the child
     assert shown["model"]["name_or_path"] == "openlm-research/open_llama_3b_v2"  # the parent
     assert shown["data"]["format"] == "alpaca"
-    assert shown["sharding"]["activation_checkpointing"] is True  # every value spelled out
+    assert shown["sharding"]["activation_checkpointing"] is False  # every value spelled out
 
 
 def test_show_without_a_recipe_prints_the_embedded_default():
