@@ -27,9 +27,8 @@ class Shape:
     tied: bool
     attention_bias: bool = False
     mlp_bias: bool = False
-    attention: Attention = field(
-        default_factory=Attention
-    )  # windows, soft-capped scores: what flash or packed masks rule out
+    # windows, soft-capped scores: what flash or packed masks rule out
+    attention: Attention = field(default_factory=Attention)
     chunked_loss_refusal: str | None = None  # why the chunked loss cannot compute this model's logits
 
 
