@@ -27,7 +27,7 @@ from lowmem_tpu.config import Recipe, RecipeError, with_overrides
 from lowmem_tpu.config.checks import flash_tiles
 from lowmem_tpu.config.devices import Device
 
-CHECKPOINTING: tuple[bool | str, ...] = (False, "every_4", "every_2", True)
+CHECKPOINTING: tuple[bool | str, ...] = (False, "every_4", "every_2", True)  # least recomputation first
 PLANNER_MARGIN = 1.25  # the planner is within -8%..+24% of the compiler on the shipped recipes: keep what it puts near
 
 
@@ -49,6 +49,15 @@ class Candidate:
             f"model.attn_implementation={self.attention}",
             f"data.packing={str(self.packing).lower()}",
         ]
+
+    def needs_at_least(self, other: Candidate) -> bool:
+        """Whether this setting holds at least what ``other`` holds: as many rows or more, as few layers
+        recomputed or fewer, the same attention and packing (so over the chip wherever ``other`` is)."""
+        return (
+            (self.attention, self.packing) == (other.attention, other.packing)
+            and self.rows >= other.rows
+            and CHECKPOINTING.index(self.checkpointing) <= CHECKPOINTING.index(other.checkpointing)
+        )
 
     def describe(self) -> str:
         ckpt = {True: "every layer", False: "none"}.get(self.checkpointing, self.checkpointing)  # type: ignore[arg-type]
@@ -87,7 +96,8 @@ def candidates(
     keep: tuple[str, ...] = (),
     flash: bool = True,
 ) -> list[Candidate]:
-    """Every setting to try, the recipe's own first, then the least recomputation and most rows first.
+    """Every setting to try: the recipe's own first, then the least recomputation first and, within it, the
+    fewest rows first (a setting over the chip rules out every one holding more: :meth:`Candidate.needs_at_least`).
 
     ``keep``: knobs (of :data:`KNOBS`) held as the recipe has them; ``flash``: whether the model's attention
     allows flash (:func:`flash_allowed`)."""
@@ -117,7 +127,7 @@ def candidates(
         for ckpt in ([own.checkpointing] if "checkpointing" in keep else CHECKPOINTING)
         for attention in ([own.attention] if "attention" in keep else reversed(attentions))
         for packing in ([own.packing] if "packing" in keep else reversed(packings))
-        for rows, accumulation in sorted(sizes.items(), reverse=True)
+        for rows, accumulation in sorted(sizes.items())
     ]
     return [own, *[c for c in grid if c != own]]
 
@@ -142,8 +152,11 @@ def tune(
     for k, candidate in enumerate(grid):
         item = Tried(candidate)
         tried.append(item)
+        over = next((t for t in tried if t.verdict == "does not fit" and candidate.needs_at_least(t.candidate)), None)
         if k and time.monotonic() - started > budget_seconds:
             item.verdict = "not compiled (time budget spent)"
+        elif over:
+            item.verdict = f"skipped: holds at least what {over.candidate.describe()} holds, over the chip"
         else:
             _try(recipe, device, item, fills.get(candidate.packing), source)
         if report:

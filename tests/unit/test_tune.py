@@ -21,7 +21,7 @@ BEFORE = [
 ]
 
 
-def test_the_recipe_is_tried_first_then_less_recomputation_and_the_global_batch_is_kept():
+def test_the_recipe_is_tried_first_then_less_recomputation_and_fewer_rows_and_the_global_batch_is_kept():
     recipe = load_recipe(str(RECIPE), ["runtime.device=tpu", *BEFORE])
     found = candidates(recipe, DEVICES["v5e-8"], {False: 0.5, True: 0.8}, grow_batch=False)
     own = found[0]
@@ -30,7 +30,8 @@ def test_the_recipe_is_tried_first_then_less_recomputation_and_the_global_batch_
     assert {c.rows * c.accumulation for c in found} == {4}  # 32 sequences over 8 chips, always
     assert {c.checkpointing for c in found} == {True, False, "every_2", "every_4"}
     assert {c.attention for c in found} == {"eager", "flash"} and {c.packing for c in found} == {False, True}
-    assert found[1].checkpointing is False and found[1].rows == 4  # the least recomputation, most rows next
+    assert found[1].checkpointing is False and found[1].rows == 1  # the least recomputation, fewest rows next
+    assert [c.rows for c in found[1:4]] == [1, 2, 4]
     grown = candidates(recipe, DEVICES["v5e-8"], {False: 0.5, True: 0.8}, grow_batch=True)  # 4 rows now: 8, 16
     assert {c.rows for c in grown} == {1, 2, 4, 8, 16}
 
@@ -79,3 +80,14 @@ def test_knobs_held_stay_as_the_recipe_has_them():
     assert {c.checkpointing for c in held} == {True} and {c.packing for c in held} == {False}
     assert {c.attention for c in held} == {"eager", "flash"} and {c.rows for c in held} == {1, 2, 4}
     assert candidates(recipe, DEVICES["v5e-8"], {}, False, keep=("rows", "checkpointing", "attention")) == held[:1]
+
+
+def test_a_setting_holding_at_least_what_did_not_fit_is_not_compiled():
+    """More rows, or fewer layers recomputed, than a setting over the chip (same attention, packing) is over too."""
+    over = Candidate(2, 2, "every_4", "flash", True)
+    assert Candidate(4, 1, "every_4", "flash", True).needs_at_least(over)
+    assert Candidate(2, 2, False, "flash", True).needs_at_least(over)
+    assert over.needs_at_least(over)
+    assert not Candidate(1, 4, False, "flash", True).needs_at_least(over)  # fewer rows: may fit
+    assert not Candidate(4, 1, "every_2", "flash", True).needs_at_least(over)  # more recomputed: may fit
+    assert not Candidate(2, 2, "every_4", "eager", True).needs_at_least(over)  # other attention: another program
