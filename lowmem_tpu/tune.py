@@ -33,13 +33,16 @@ PLANNER_MARGIN = 1.25  # the planner is within -8%..+24% of the compiler on the 
 
 @dataclass(frozen=True)
 class Candidate:
-    """One setting tried: rows per chip per micro-batch, checkpointing, attention, packing."""
+    """One setting tried: rows per chip per micro-batch, checkpointing, attention, packing.
+
+    A preference recipe's rows are pairs (``unit``), each a chosen and a rejected row of tokens."""
 
     rows: int
     accumulation: int
     checkpointing: bool | str
     attention: str
     packing: bool
+    unit: str = "rows"
 
     def overrides(self, devices: int) -> list[str]:
         return [
@@ -63,7 +66,8 @@ class Candidate:
         ckpt = {True: "every layer", False: "none"}.get(self.checkpointing, self.checkpointing)  # type: ignore[arg-type]
         accumulation = f" x {self.accumulation} accumulated" if self.accumulation > 1 else ""
         packed = "packed" if self.packing else "padded"
-        return f"{self.rows} rows/chip{accumulation}, checkpointing {ckpt}, {self.attention}, {packed}"
+        unit = self.unit if self.rows > 1 else self.unit.removesuffix("s")
+        return f"{self.rows} {unit}/chip{accumulation}, checkpointing {ckpt}, {self.attention}, {packed}"
 
 
 @dataclass
@@ -113,17 +117,19 @@ def candidates(
     packings = [recipe.data.packing]
     if fills.get(True) and fills.get(False) and fills[True] > fills[False] and not recipe.data.packing:
         packings.append(True)
+    unit = "pairs" if recipe.data.format == "preference" else "rows"
     own = Candidate(
         rows_now,
         train.gradient_accumulation_steps,
         recipe.sharding.activation_checkpointing,
         recipe.model.attn_implementation,
         recipe.data.packing,
+        unit,
     )
     if "rows" in keep:
         sizes = {own.rows: own.accumulation}
     grid = [
-        Candidate(rows, accumulation, ckpt, attention, packing)
+        Candidate(rows, accumulation, ckpt, attention, packing, unit)
         for ckpt in ([own.checkpointing] if "checkpointing" in keep else CHECKPOINTING)
         for attention in ([own.attention] if "attention" in keep else reversed(attentions))
         for packing in ([own.packing] if "packing" in keep else reversed(packings))

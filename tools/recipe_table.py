@@ -450,10 +450,12 @@ def tune_table(result: str) -> Callable[[], str]:
 
     def output() -> str:
         record = json.loads((RESULTS / result).read_text())
+        unit = record["tried"][0]["settings"].get("unit", "rows")
+        pairs = "; a pair is its chosen and its rejected row" if unit == "pairs" else ""
         rows = [
-            f"`lowmem-tpu tune` for {record['target']}, per chip (tokens/s: every position of a row):",
+            f"`lowmem-tpu tune` for {record['target']}, per chip (tokens/s: every position of a row{pairs}):",
             "",
-            "| rows per chip x micro-batches | checkpointing | attention | packed | HBM (TPU compiler) "
+            f"| {unit} per chip x micro-batches | checkpointing | attention | packed | HBM (TPU compiler) "
             "| (micro-)step | MFU | tokens/s/chip |",
             "|---|---|---|---|---|---|---|---|",
         ]
@@ -581,6 +583,7 @@ TABLES: list[tuple[Path, str, Callable[[], str]]] = [
     (DOCS / "speed.md", "tune-open-llama-full", tune_table("tune_open_llama_full.json")),
     (DOCS / "speed.md", "tune-llama3-8b-qlora-v5e1", tune_table("tune_llama3_8b_qlora_v5e1.json")),
     (DOCS / "speed.md", "tune-llama3-8b-qlora-v5e1-rows", tune_table("tune_llama3_8b_qlora_v5e1_rows.json")),
+    (DOCS / "speed.md", "tune-llama3-3b-dpo-v5e1", tune_table("tune_llama3_3b_dpo_v5e1.json")),
     (DOCS / "speed.md", "adapter-dtype-loss", benchmark_table("adapter_dtype_loss")),
     (DOCS / "preference.md", "dpo-demo", benchmark_table("dpo_demo")),
     (DOCS / "serving.md", "gguf-demo", benchmark_table("gguf_demo")),

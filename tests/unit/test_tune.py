@@ -91,3 +91,12 @@ def test_a_setting_holding_at_least_what_did_not_fit_is_not_compiled():
     assert not Candidate(1, 4, False, "flash", True).needs_at_least(over)  # fewer rows: may fit
     assert not Candidate(4, 1, "every_2", "flash", True).needs_at_least(over)  # more recomputed: may fit
     assert not Candidate(2, 2, "every_4", "eager", True).needs_at_least(over)  # other attention: another program
+
+
+def test_a_preference_recipe_counts_pairs():
+    """DPO's global batch counts pairs, each a chosen and a rejected row: tune says pairs, and keeps the batch."""
+    dpo = load_recipe(str(RECIPE.parent / "llama3_3b_dpo_v5e1.yaml"), ["runtime.device=tpu"])
+    found = candidates(dpo, DEVICES["v5e-1"], {}, grow_batch=False)
+    assert {c.unit for c in found} == {"pairs"} and {c.rows * c.accumulation for c in found} == {8}
+    assert {c.packing for c in found} == {False}  # pairs are never packed
+    assert Candidate(1, 8, False, "flash", False, "pairs").describe().startswith("1 pair/chip x 8 accumulated")
