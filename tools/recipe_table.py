@@ -263,7 +263,7 @@ FIT_ROWS = {  # name -> (recipe, overrides)
     "Open Llama 3B, LoRA, 4 x 2048 tokens": ("open_llama_lora_v5e1.yaml", ["data.max_length=2048"]),
     "Open Llama 3B, LoRA, 4 x 4096 tokens": ("open_llama_lora_v5e1.yaml", ["data.max_length=4096"]),
     "Open Llama 7B, QLoRA nf4, 4 x 2048 tokens": ("open_llama_7b_qlora.yaml", ["data.max_length=2048"]),
-    "Llama 2 70B shape, QLoRA nf4, 8 x 512 tokens": ("llama2_70b_qlora_v5e8.yaml", []),
+    "Llama 2 70B shape, QLoRA nf4, 16 x 512 tokens": ("llama2_70b_qlora_v5e8.yaml", []),
 }
 
 

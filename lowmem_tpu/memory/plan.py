@@ -59,15 +59,15 @@ class Tensor:
 def quantized_weight(out: int, inp: int, st: Setting) -> list[Tensor]:
     """``QuantizedLinear``'s frozen ``qweight`` and ``scale``: int8 ``[out, in]`` with one scale per row,
     int4 packed two per byte ``[out, ceil(in/g)*g/2]`` with ``[out, ceil(in/g)]`` scales (model dtype), or
-    nf4 packed ``[out, in/2]`` with ``[out, in/g]`` fp32 maxima, or with double quantization u8 maxima and
-    an fp32 scale per 256 of them."""
+    nf4 packed ``[in/2, out]`` (``model.nf4``'s layout) with ``[out, in/g]`` fp32 maxima, or with double
+    quantization u8 maxima and an fp32 scale per 256 of them."""
     size = DTYPE_BYTES[st.dtype]
     if st.quantize == "nf4":
         blocks = math.ceil(out * inp / st.group_size)  # a flat vector when blocks cross rows
         shape = (out, inp // st.group_size) if inp % st.group_size == 0 else (blocks,)
         maxima = [Tensor(shape, 1 if st.double_quant else 4, False, 0)]
         second = [Tensor((math.ceil(blocks / 256),), 4, False, 0)] if st.double_quant else []
-        return [Tensor((out, inp // 2), 1, False, out * inp), *maxima, *second]
+        return [Tensor((inp // 2, out), 1, False, out * inp), *maxima, *second]
     if st.bits == 8:
         return [Tensor((out, inp), 1, False, out * inp), Tensor((out,), size, False, 0)]
     groups = math.ceil(inp / st.group_size)

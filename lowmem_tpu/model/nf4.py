@@ -1,11 +1,18 @@
-"""NF4 with double quantization, QLoRA's format, in bitsandbytes' exact layout and arithmetic.
+"""NF4 with double quantization, QLoRA's format, in bitsandbytes' exact arithmetic.
 
 A weight is cut into blocks of ``blocksize`` consecutive values of its row-major order (as
 bitsandbytes does: a block crosses rows when the input width is not a multiple of it; the maxima are
 then one flat vector, else ``[out, in / blocksize]``). Each block keeps its absolute maximum and, per
-value, the index of the nearest of the 16 NormalFloat levels of ``value / absmax``, two indices per
-byte, the first in the high nibble. With double quantization the fp32 maxima lose their mean (``offset``) and are
-themselves quantized to 8 bits in blocks of 256 against bitsandbytes' signed dynamic code.
+value, the index of the nearest of the 16 NormalFloat levels of ``value / absmax``. With double
+quantization the fp32 maxima lose their mean (``offset``) and are themselves quantized to 8 bits in blocks
+of 256 against bitsandbytes' signed dynamic code. Indices, maxima and second level are bitsandbytes'.
+
+The indices are stored for the TPU (:func:`to_bitsandbytes` gives bitsandbytes' bytes): ``[in / 2, out]``,
+the byte at ``[j, o]`` holding ``w[o, j]``'s index in its high nibble and ``w[o, j + in / 2]``'s in its low
+one. Unpacking is then two elementwise passes over the bytes and a concatenation of whole rows, giving
+``w``'s transpose, which a matmul takes as it is. bitsandbytes' layout (adjacent inputs in one byte) would
+interleave the two nibbles along the minor dimension: a lane shuffle that the TPU compiler materialises as a
+``[out, in / 2, 2]`` byte tensor, most of a QLoRA step's time by its cost model.
 
 Dequantizing computes every product in fp32 and casts once, as bitsandbytes does: products in
 bf16 change about a fifth of the values. Under XLA, ``code2[q] * absmax2 + offset`` may fuse into one
@@ -102,7 +109,7 @@ def _second_level(maxima: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @dataclass
 class NF4Weight:
-    """A quantized ``[out, in]`` weight: ``packed`` uint8 ``[out, in / 2]``; ``absmax`` fp32
+    """A quantized ``[out, in]`` weight: ``packed`` uint8 ``[in / 2, out]`` (the module's layout); ``absmax`` fp32
     ``[out, in / blocksize]`` (flat ``[ceil(out * in / blocksize)]`` when blocks cross rows), or with
     double quantization uint8 indices into ``dynamic_code()`` scaled by ``absmax2`` (fp32, one per 256
     maxima) plus ``offset`` (fp32, a scalar)."""
@@ -127,13 +134,15 @@ def quantize_nf4(weight: torch.Tensor, blocksize: int, double: bool) -> NF4Weigh
         raise ValueError(f"{in_features} inputs: NF4 packs two weights a byte along a row")
     flat = weight.detach().reshape(-1).to(torch.float32)
     q, absmax = _blockwise(flat, blocksize, nf4_code())
-    packed = (q[0::2] << 4) | q[1::2]
+    rows = q.view(out_features, in_features)
+    half = in_features // 2
+    packed = ((rows[:, :half] << 4) | rows[:, half:]).t().contiguous()
     absmax2 = offset = None
     if double:
         offset = absmax.mean()
         absmax, absmax2 = _second_level(absmax - offset)
     shape = maxima_shape(out_features, in_features, blocksize)
-    return NF4Weight(packed.view(out_features, -1), absmax.view(shape), absmax2, offset)
+    return NF4Weight(packed, absmax.view(shape), absmax2, offset)
 
 
 def block_maxima(weight: NF4Weight) -> torch.Tensor:
@@ -146,15 +155,11 @@ def block_maxima(weight: NF4Weight) -> torch.Tensor:
     return (blocks * weight.absmax2.unsqueeze(-1)).reshape(-1)[:n].view(shape) + weight.offset
 
 
-def nibbles(packed: torch.Tensor) -> torch.Tensor:
-    """The ``[out, in]`` 4-bit indices of a packed ``[out, in / 2]`` weight (the high nibble first).
-
-    Written as a broadcast and per-column shifts, not a stack of the two halves: the compiler then
-    unpacks inside the dequantizing fusion instead of laying out an ``[out, in / 2, 2]`` tensor."""
-    out_features, half = packed.shape
-    pairs = packed.unsqueeze(-1).expand(out_features, half, 2).reshape(out_features, 2 * half)
-    shift = (1 - torch.arange(2 * half, device=packed.device) % 2).to(torch.uint8) * 4
-    return torch.bitwise_right_shift(pairs, shift) & 15
+def to_bitsandbytes(packed: torch.Tensor) -> torch.Tensor:
+    """bitsandbytes' packed bytes (``[out * in / 2]``, adjacent inputs in one byte, the first high) of
+    indices stored ``[in / 2, out]`` as this module stores them."""
+    rows = torch.cat([packed >> 4, packed & 15]).t()  # [out, in]: every index in its place
+    return ((rows[:, 0::2] << 4) | rows[:, 1::2]).reshape(-1)
 
 
 def levels(indices: torch.Tensor) -> torch.Tensor:
@@ -168,13 +173,24 @@ def levels(indices: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize_nf4(weight: NF4Weight, dtype: torch.dtype) -> torch.Tensor:
-    """The ``[out, in]`` weight, every product in fp32, cast to ``dtype`` once."""
-    out_features, half = weight.packed.shape
+    """The ``[out, in]`` weight, every product in fp32, cast to ``dtype`` once. It is computed as its transpose:
+    where rows are whole blocks, a block is ``blocksize`` consecutive rows of it, so a maximum is broadcast
+    along rows, not lanes. The final transpose is a layout for a matmul to absorb (``contiguous`` is a no-op
+    on an XLA tensor, whose storage is always contiguous; on the CPU it gives the layout a product expects)."""
+    half, out_features = weight.packed.shape
     maxima = block_maxima(weight)
-    values = levels(nibbles(weight.packed))
-    if maxima.dim() == 2:  # rows of whole blocks
-        return (values.view(out_features, maxima.shape[1], -1) * maxima.unsqueeze(-1)).view(out_features, -1).to(dtype)
+    indices = (weight.packed >> 4, weight.packed & 15)  # w^T's first and second half of rows
+    if maxima.dim() == 2 and maxima.shape[1] % 2 == 0:  # each half of a row is whole blocks: scaled apart
+        halves = [
+            (levels(q).view(-1, 2 * half // maxima.shape[1], out_features) * m.t().unsqueeze(1)).to(dtype)
+            for q, m in zip(indices, maxima.chunk(2, dim=1), strict=True)
+        ]  # joined in bf16: the fp32 levels never exist whole
+        return torch.cat([h.view(half, out_features) for h in halves]).t().contiguous()
+    values = torch.cat([levels(q) for q in indices])  # [in, out]
+    if maxima.dim() == 2:  # rows of whole blocks, one straddling a row's halves
+        scaled = values.view(maxima.shape[1], -1, out_features) * maxima.t().unsqueeze(1)
+        return scaled.view(2 * half, out_features).to(dtype).t().contiguous()
     n = out_features * 2 * half
     blocksize = -(-n // maxima.numel())
-    flat = torch.nn.functional.pad(values.reshape(-1), (0, -n % blocksize)).view(-1, blocksize)
+    flat = torch.nn.functional.pad(values.t().reshape(-1), (0, -n % blocksize)).view(-1, blocksize)
     return (flat * maxima.unsqueeze(-1)).reshape(-1)[:n].view(out_features, -1).to(dtype)

@@ -1,9 +1,12 @@
 """A frozen int8, int4 or NF4 base for QLoRA training, in plain PyTorch that XLA compiles.
 
 Each quantized projection keeps its packed weight and scales and dequantizes inside its forward
-pass. Under FSDP the layer asks for its packed weight and scales whole (``gather``, set by the
-sharding code) before dequantizing, so the all-gather moves the packed bytes, and the full-precision
-weight of one projection exists on each chip only while it is used.
+pass; the full-precision weight of one projection exists on each chip only while it is used. Under FSDP
+(``gather``, set by the sharding code) an int8/int4 layer gathers its packed weight and scales whole before
+dequantizing, so the all-gather moves the packed bytes. An NF4 layer gathers its block maxima only: each
+chip dequantizes its own shard of the indices and the bf16 weight is gathered. The all-gather then moves 4x
+the bytes, but each of N chips dequantizes 1/N of the weight, not all of it (docs/qlora.md: the step by
+libtpu's cost model, both ways).
 
 - int8: symmetric, one scale per output row (``w ~ q * scale``, ``q`` in [-127, 127]).
 - int4: symmetric, one scale per group of ``group_size`` inputs (``q`` in [-7, 7]), two
@@ -182,7 +185,8 @@ class QuantizedLinear(nn.Linear):
             return dequantize_weight(qweight, scale, spec.bits, spec.group_size, self.in_features, anchor.dtype)
         qweight, scale = qweight + zero.to(qweight.dtype), scale + zero.to(scale.dtype)
         if self.gather is not None:
-            qweight, scale = self.gather(qweight), self.gather(scale)
+            scale = self.gather(scale)
+            qweight = qweight if spec.method == "nf4" else self.gather(qweight)
         if spec.method != "nf4":
             scale = scale.to(anchor.dtype)
             weight = dequantize_weight(qweight, scale, spec.bits, spec.group_size, self.in_features, anchor.dtype)
@@ -214,7 +218,7 @@ def _shapes(
         )
     maxima = torch.uint8 if spec.double else torch.float32
     return (
-        (out_features, in_features // 2),
+        (in_features // 2, out_features),  # model.nf4's layout: w's transpose, a row's two halves in a byte
         torch.uint8,
         maxima_shape(out_features, in_features, spec.group_size),
         maxima,

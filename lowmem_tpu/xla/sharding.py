@@ -113,7 +113,7 @@ def wrap_model(model: nn.Module, cfg: ShardingSection, runtime: Runtime) -> nn.M
     from torch_xla.distributed.fsdp.wrap import transformer_auto_wrap_policy
     from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel as FSDPv2
 
-    gather_packed(model, runtime.mesh)
+    gather_quantized(model, runtime.mesh)
     use_matmul_rotation(model)  # rotary embeddings without lane shuffles (model.rope)
     layer = layer_class(model, cfg.layer_class)
     every = cfg.checkpoint_every
@@ -143,15 +143,16 @@ def wrap_model(model: nn.Module, cfg: ShardingSection, runtime: Runtime) -> nn.M
     )
 
 
-def gather_packed(model: nn.Module, mesh: Any) -> int:
-    """Make each quantized layer gather its packed weight and scales whole before dequantizing.
+def gather_quantized(model: nn.Module, mesh: Any) -> int:
+    """Give each quantized layer the annotation that makes a tensor whole (``QuantizedLinear.gather``).
 
-    Left to itself the SPMD partitioner dequantizes each chip's shard and all-gathers the result (a bf16 or
-    fp32 weight, 4-8x the bytes). A replicated sharding annotation on the packed tensors, as the layer uses
-    them, moves the all-gather onto them. ``annotate_custom_sharding`` (torch_xla 2.9,
-    ``distributed/spmd/xla_sharding.py``) annotates an IR value without touching placed data; the layer
-    hands it a fresh value (its packed tensor plus the input's zero), never the parameter itself, which
-    keeps its sharding. On one device there is nothing to gather. Returns how many layers gather packed.
+    An int8/int4 layer asks for its packed weight and scales whole, so the all-gather moves the packed bytes
+    (left to itself the SPMD partitioner dequantizes each chip's shard and gathers the bf16 result). An NF4
+    layer asks for its block maxima whole and its dequantized weight whole: each chip unpacks its own shard of
+    the indices, a fraction of the work of unpacking them all (``model.quantize``).
+    ``annotate_custom_sharding`` (torch_xla 2.9, ``distributed/spmd/xla_sharding.py``) annotates an IR value
+    without touching placed data; the layer hands it a fresh value (its tensor plus the input's zero), never
+    the parameter itself, which keeps its sharding. On one device there is nothing to gather. Returns how many layers it annotates.
     """
     import torch_xla.distributed.spmd as xs
 

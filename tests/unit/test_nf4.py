@@ -10,7 +10,7 @@ import torch
 
 from lowmem_tpu.config import RecipeError, load_recipe
 from lowmem_tpu.errors import UserError
-from lowmem_tpu.model.nf4 import dequantize_nf4, dynamic_code, nf4_code, quantize_nf4
+from lowmem_tpu.model.nf4 import dequantize_nf4, dynamic_code, nf4_code, quantize_nf4, to_bitsandbytes
 from lowmem_tpu.model.quantize import QuantizedLinear, QuantSpec
 
 
@@ -52,9 +52,9 @@ def test_nf4_is_bitsandbytes_bit_for_bit(shape, tails, dtype, block, double):
     weight = _weight(shape, tails, dtype)
     packed, state = bnb.quantize_4bit(weight, blocksize=block, compress_statistics=double, quant_type="nf4")
     ours = quantize_nf4(weight, block, double)
-    assert ours.packed.shape == (shape[0], shape[1] // 2) and ours.packed.dtype == torch.uint8
+    assert ours.packed.shape == (shape[1] // 2, shape[0]) and ours.packed.dtype == torch.uint8  # stored for the TPU
     assert ours.absmax.dim() == (2 if shape[1] % block == 0 else 1)
-    assert torch.equal(ours.packed.reshape(-1), packed.reshape(-1))
+    assert torch.equal(to_bitsandbytes(ours.packed), packed.reshape(-1))
     assert torch.equal(ours.absmax.reshape(-1), state.absmax)
     if double:
         assert ours.absmax.dtype == torch.uint8
@@ -68,7 +68,7 @@ def test_products_in_bf16_would_change_values():
     weight = _weight((256, 256), False, torch.bfloat16)
     ours = quantize_nf4(weight, 64, True)
     exact = dequantize_nf4(ours, torch.bfloat16)
-    levels = nf4_code()[torch.stack((ours.packed >> 4, ours.packed & 15), -1).view(256, -1).long()]
+    levels = nf4_code()[torch.cat((ours.packed >> 4, ours.packed & 15)).t().long()]
     maxima = (
         bnb.dequantize_blockwise(ours.absmax.reshape(-1), absmax=ours.absmax2, code=dynamic_code(), blocksize=256)
         + ours.offset
@@ -103,6 +103,19 @@ def test_quantized_linear_nf4_computes_with_bitsandbytes_weight():
     assert {n for n, _ in layer.named_buffers()} == {"absmax2", "offset"}
     assert not any(p.requires_grad for p in layer.parameters())
     assert "nf4, group_size=64, double_quant" in repr(layer)
+
+
+def test_the_tpu_layout_holds_a_rows_two_halves_in_a_byte():
+    """Byte [j, o] holds w[o, j] high and w[o, j + in/2] low: unpacking is elementwise, then whole rows."""
+    weight = _weight((6, 8), False, torch.float32)
+    ours = quantize_nf4(weight, 4, False)
+    indices = torch.bucketize(
+        (weight.view(-1, 4) / weight.view(-1, 4).abs().amax(-1, keepdim=True)).view(6, 8),
+        (nf4_code()[:-1] + nf4_code()[1:]) / 2,
+    )
+    assert torch.equal(ours.packed >> 4, indices[:, :4].t().to(torch.uint8))
+    assert torch.equal(ours.packed & 15, indices[:, 4:].t().to(torch.uint8))
+    assert dequantize_nf4(ours, torch.float32).shape == (6, 8)
 
 
 def test_nf4_refuses_an_odd_input_width():
