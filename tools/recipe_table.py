@@ -445,6 +445,45 @@ def speed_table() -> str:
     return "\n".join(rows)
 
 
+# NF4's byte layout, before and after (docs/speed.md): a tune search compiled on bitsandbytes' layout (gathered
+# packed across chips), at the settings the recipe ships, beside the recipe's record now.
+NF4_LAYOUT = {  # recipe -> the search on bitsandbytes' layout
+    "llama3_8b_qlora_v5e1": "tune_llama3_8b_qlora_v5e1_rows.json",
+    "llama2_70b_qlora_v5e8": "tune_llama2_70b_qlora_v5e8_bnb_layout.json",
+}
+
+
+def nf4_layout_table() -> str:
+    """docs/speed.md: a QLoRA step with bitsandbytes' byte layout (a tune search's compile) and with the TPU's."""
+    records = json.loads(RECORD.read_text())
+    rows = [
+        "| recipe | target | rows per chip x micro-batches | bitsandbytes' layout: step, MFU, tokens/s/chip "
+        "| the TPU layout: step, MFU, tokens/s/chip |",
+        "|---|---|---|---|---|",
+    ]
+    for name, result in NF4_LAYOUT.items():
+        recipe = _recipe(name)
+        device = DEVICES[recipe.runtime.target]
+        shipped = (
+            recipe.train.global_batch_size // recipe.train.gradient_accumulation_steps // device.devices,
+            recipe.train.gradient_accumulation_steps,
+            recipe.sharding.activation_checkpointing,
+            recipe.model.attn_implementation,
+        )
+        tried = json.loads((RESULTS / result).read_text())["tried"]
+        knobs = ("rows", "accumulation", "checkpointing", "attention")
+        before = next(t["estimate"] for t in tried if tuple(t["settings"][k] for k in knobs) == shipped)
+        after = records[f"{name}@{device.name}"]["step_estimate"]
+
+        def figures(e: dict) -> str:
+            return f"{e['step_seconds'] * 1e3:,.0f} ms, {e['mfu']:.0%}, {e['tokens_per_second_per_chip']:,.0f}"
+
+        rows.append(
+            f"| `{name}` | {device.name} | {shipped[0]} x {shipped[1]} | {figures(before)} | {figures(after)} |"
+        )
+    return "\n".join(rows)
+
+
 def tune_table(result: str) -> Callable[[], str]:
     """docs/speed.md: every candidate ``lowmem-tpu tune`` compiled (its JSON, kept in benchmarks/results/)."""
 
@@ -584,6 +623,8 @@ TABLES: list[tuple[Path, str, Callable[[], str]]] = [
     (DOCS / "speed.md", "tune-llama3-8b-qlora-v5e1", tune_table("tune_llama3_8b_qlora_v5e1.json")),
     (DOCS / "speed.md", "tune-llama3-8b-qlora-v5e1-rows", tune_table("tune_llama3_8b_qlora_v5e1_rows.json")),
     (DOCS / "speed.md", "tune-llama3-3b-dpo-v5e1", tune_table("tune_llama3_3b_dpo_v5e1.json")),
+    (DOCS / "speed.md", "nf4-layout", nf4_layout_table),
+    (DOCS / "speed.md", "tune-llama2-70b-qlora-v5e8", tune_table("tune_llama2_70b_qlora_v5e8.json")),
     (DOCS / "speed.md", "adapter-dtype-loss", benchmark_table("adapter_dtype_loss")),
     (DOCS / "preference.md", "dpo-demo", benchmark_table("dpo_demo")),
     (DOCS / "serving.md", "gguf-demo", benchmark_table("gguf_demo")),

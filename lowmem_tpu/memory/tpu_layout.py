@@ -180,22 +180,33 @@ QUANTIZED_KEPT_PER_LAYER = {"weights gathered": 5.3, "activations gathered": 1.8
 INT4_ONE_CHIP_FP32_COPIES = 4.5
 
 
-# Across chips each projection is gathered packed and dequantized whole on every chip while its layer runs
+# Across chips an int4 projection is gathered packed and dequantized whole on every chip while its layer runs
 # (the all-gather moves its bytes, not a bf16 weight): the step keeps that many fp32 copies of the largest
-# projection beyond the per-layer term (libtpu 0.0.21, nf4, Llama 2 70B's shape on v5e-8 at 8 x 512 tokens,
-# 2 and 4 layers: an fp32 [28672, 8192] product and two unpacked u8 copies live at the peak).
+# projection beyond the per-layer term (libtpu 0.0.21, Llama 2 70B's shape on v5e-8 at 8 x 512 tokens, 2 and 4
+# layers, packed bytes gathered: an fp32 [28672, 8192] product and two unpacked u8 copies live at the peak).
 GATHERED_FP32_COPIES = 1.6
+
+# NF4 (``model.nf4``'s TPU layout) is dequantized where it lies, the bf16 weight gathered: the step keeps one
+# bf16 copy of the largest projection and nothing per layer beyond a bf16 base's (libtpu 0.0.21, Llama 2 70B's
+# shape on v5e-8 at 16 x 512 tokens, 2 and 4 layers: 86 MiB a layer, under the bf16 plan's slope; the 2-layer
+# step 0.32 GiB over the plan without a copy). On one chip the halves of a row are scaled in fp32 one at a
+# time: one fp32 copy of the largest projection (Llama 3.1 8B at 4 x 1024 tokens, 2 and 4 layers).
+NF4_GATHERED_BF16_COPIES = 1.0
+NF4_ONE_CHIP_FP32_COPIES = 1.0
 
 
 def dequantized(s: Shape, st: Setting) -> int:
     """What a quantized base keeps beyond a bf16 base's activations, per chip: every layer's extra buffers
     and the whole projection dequantized after its gather (across chips), or on one chip an int4/nf4
-    base's fp32 dequantization of a projection."""
+    base's fp32 dequantization of a projection; NF4 across chips, a gathered bf16 projection."""
     if not quantized(st):
         return 0
     largest = max(o * i for o, i in linears(s).values())
-    if _gathering(s, st) == "one chip":
-        return int(INT4_ONE_CHIP_FP32_COPIES * largest * 4) if st.quantize in ("int4", "nf4") else 0
+    one_chip = _gathering(s, st) == "one chip"
+    if st.quantize == "nf4":
+        return int(NF4_ONE_CHIP_FP32_COPIES * largest * 4 if one_chip else NF4_GATHERED_BF16_COPIES * largest * 2)
+    if one_chip:
+        return int(INT4_ONE_CHIP_FP32_COPIES * largest * 4) if st.quantize == "int4" else 0
     per = QUANTIZED_KEPT_PER_LAYER[_gathering(s, st)]
     return int(s.layers * per * st.tokens * s.hidden * DTYPE_BYTES[st.dtype] + GATHERED_FP32_COPIES * largest * 4)
 

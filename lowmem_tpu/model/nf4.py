@@ -184,7 +184,7 @@ def dequantize_nf4(weight: NF4Weight, dtype: torch.dtype) -> torch.Tensor:
         halves = [
             (levels(q).view(-1, 2 * half // maxima.shape[1], out_features) * m.t().unsqueeze(1)).to(dtype)
             for q, m in zip(indices, maxima.chunk(2, dim=1), strict=True)
-        ]  # joined in bf16: the fp32 levels never exist whole
+        ]  # joined in ``dtype``: the fp32 levels of a whole weight never exist
         return torch.cat([h.view(half, out_features) for h in halves]).t().contiguous()
     values = torch.cat([levels(q) for q in indices])  # [in, out]
     if maxima.dim() == 2:  # rows of whole blocks, one straddling a row's halves

@@ -12,7 +12,8 @@ libtpu's cost model, both ways).
 - int4: symmetric, one scale per group of ``group_size`` inputs (``q`` in [-7, 7]), two
   values per byte (low nibble first). An input width that is not a multiple of the group
   is zero-padded to one, and the padding is sliced off after dequantizing.
-- nf4: QLoRA's 4-bit NormalFloat with double quantization, bitsandbytes' layout (``model.nf4``).
+- nf4: QLoRA's 4-bit NormalFloat with double quantization, bitsandbytes' arithmetic, laid out for the TPU
+  (``model.nf4``).
 
 int8/int4 scales are kept in the model's dtype; the integers are rounded against the stored scale,
 so the scale's own rounding adds no error. ``model.loading`` quantizes a checkpoint while it

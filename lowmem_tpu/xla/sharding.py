@@ -152,7 +152,8 @@ def gather_quantized(model: nn.Module, mesh: Any) -> int:
     the indices, a fraction of the work of unpacking them all (``model.quantize``).
     ``annotate_custom_sharding`` (torch_xla 2.9, ``distributed/spmd/xla_sharding.py``) annotates an IR value
     without touching placed data; the layer hands it a fresh value (its tensor plus the input's zero), never
-    the parameter itself, which keeps its sharding. On one device there is nothing to gather. Returns how many layers it annotates.
+    the parameter itself, which keeps its sharding. On one device there is nothing to gather. Returns how many
+    layers it annotates.
     """
     import torch_xla.distributed.spmd as xs
 

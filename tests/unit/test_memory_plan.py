@@ -475,7 +475,7 @@ def test_the_tpu_plan_is_within_ten_percent_of_the_tpu_compiler_on_the_shipped_r
     The tiny demo is left out: its few MiB are the compiler's fixed costs and on-chip memory. The 7B and
     70B QLoRA recipes and the family recipes are compiled at 2 and 4 layers and extrapolated. Phi's steps
     (fused projections) are over-planned, not yet calibrated: within 25%, above the compiler; so are the QLoRA
-    recipes' 4 rows in one program (within 35%, above)."""
+    recipes' several rows in one program (within 30%, above)."""
     recorded = json.loads((ROOT / "docs/tpu_compile.json").read_text())
     checked, extrapolated, uncalibrated = [], [], []
     for key, record in recorded.items():
@@ -490,12 +490,12 @@ def test_the_tpu_plan_is_within_ten_percent_of_the_tpu_compiler_on_the_shipped_r
             assert "read off steps that recompute every layer" in memory_report.format_report(report)
             continue
         (extrapolated if record.get("extrapolated_from") else checked).append((key, error))
-    assert len(extrapolated) >= 8, extrapolated  # 7B and 70B QLoRA, the untuned family recipes, DPO
+    assert len(extrapolated) >= 7, extrapolated  # 7B and 70B QLoRA, the untuned family recipes, 8B DPO
     assert len(checked) >= 1, checked  # 7B full on v5e-16 (the 3B LoRA and full recipes are tuned)
     for key, error in checked + extrapolated:
         low, high = (0.0, 0.25) if key.startswith("phi") else (-0.10, 0.10)  # the error allowed
-        if "qlora" in key:  # 4 rows of an NF4 base in one program: over-planned, not yet calibrated
-            low, high = 0.0, 0.35
+        if "qlora" in key:  # several rows of an NF4 base in one program: over-planned, not yet calibrated
+            low, high = 0.0, 0.30
         assert low <= error <= high, (key, error)
     more = [(key, m) for key, m in uncalibrated if not -0.10 <= m <= tpu_layout.UNCALIBRATED_MORE]
     assert uncalibrated and more == [], uncalibrated  # under by no more than the note says (or within 10%)
