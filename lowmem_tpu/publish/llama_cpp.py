@@ -4,6 +4,8 @@ logits on the check prompts, computed on the CPU. Absent the package, ``export``
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -24,12 +26,40 @@ def load(path: Path, context: int) -> Any:
 
     try:
         threads = os.cpu_count()
-        return Llama(model_path=str(path), logits_all=True, n_ctx=max(context, 16), verbose=False, n_threads=threads)
+        with _plain_cpu_buffers():
+            return Llama(
+                model_path=str(path), logits_all=True, n_ctx=max(context, 16), verbose=False, n_threads=threads
+            )
     except ValueError as err:
         raise UserError(
             f"llama.cpp does not load {path.name} ({err}); nothing was written. A llama-cpp-python older than the "
             "pinned one may not know the architecture: pip install -c constraints.txt -e '.[gguf]'"
         ) from None
+
+
+@contextmanager
+def _plain_cpu_buffers() -> Iterator[None]:
+    """Load with llama.cpp's plain CPU weight buffers (``use_extra_bufts = False``), not its repacked or AMX ones.
+
+    On a CPU with AMX, llama.cpp 0.3.36 repacks the weights for its AMX kernels, and evaluating a small model's
+    repacked weights crashes the process (a segmentation fault in ``llama_decode``). The check wants llama.cpp's
+    reading of the file, not its fastest kernels. ``Llama`` builds its model parameters from
+    ``llama_model_default_params()`` and exposes no ``use_extra_bufts``, so the default is replaced while the
+    model loads."""
+    import llama_cpp.llama as module
+
+    default = module.llama_cpp.llama_model_default_params
+
+    def plain() -> Any:
+        params = default()
+        params.use_extra_bufts = False
+        return params
+
+    module.llama_cpp.llama_model_default_params = plain
+    try:
+        yield
+    finally:
+        module.llama_cpp.llama_model_default_params = default
 
 
 def tokenize(model: Any, text: str, add_bos: bool) -> list[int]:
