@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -42,9 +41,9 @@ def generate_answers(final: Path, cases: list[tuple[str, str]]) -> list[str]:
 
 
 def llama_cpp_answers(path: Path, tokenizer, cases: list[tuple[str, str]]) -> list[str]:
-    from llama_cpp import Llama
+    from lowmem_tpu.publish import llama_cpp
 
-    model = Llama(model_path=str(path), n_ctx=64, verbose=False, n_threads=os.cpu_count())
+    model = llama_cpp.load(path, 64)  # as export's check loads it (plain CPU buffers: no AMX repacking)
     answers = []
     for prompt, _ in cases:
         messages = [{"role": "user", "content": prompt}]
