@@ -5,7 +5,7 @@ pass; the full-precision weight of one projection exists on each chip only while
 (``gather``, set by the sharding code) an int8/int4 layer gathers its packed weight and scales whole before
 dequantizing, so the all-gather moves the packed bytes. An NF4 layer gathers its block maxima only: each
 chip dequantizes its own shard of the indices and the bf16 weight is gathered. The all-gather then moves 4x
-the bytes, but each of N chips dequantizes 1/N of the weight, not all of it (docs/qlora.md: the step by
+the bytes, but each of N chips dequantizes 1/N of the weight, not all of it (docs/speed.md: the step by
 libtpu's cost model, both ways).
 
 - int8: symmetric, one scale per output row (``w ~ q * scale``, ``q`` in [-127, 127]).
