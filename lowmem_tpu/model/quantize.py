@@ -98,7 +98,8 @@ class QuantizedLinear(nn.Linear):
     sharding places and shards them like any other; NF4's second-level scales (``absmax2``,
     ``offset``) are small buffers, replicated. ``weight`` names the integers, so code that would
     write into a float weight (merging an adapter into this layer) fails instead of silently doing
-    nothing. ``gather`` (identity unless the sharding code sets it) makes a packed tensor whole.
+    nothing. ``gather`` (unset unless the sharding code sets it) makes a tensor whole: the packed weight and scales
+    (int8/int4), or the maxima and the dequantized weight (NF4).
     """
 
     gather: Callable[[torch.Tensor], torch.Tensor] | None = None
