@@ -55,9 +55,13 @@ class Candidate:
 
     def needs_at_least(self, other: Candidate) -> bool:
         """Whether this setting holds at least what ``other`` holds: as many rows or more, as few layers
-        recomputed or fewer, the same attention and packing (so over the chip wherever ``other`` is)."""
+        recomputed or fewer, the same packing and the same attention or eager where ``other`` has flash
+        (eager keeps every live layer's scores, flash none), so over the chip wherever ``other`` is. Every
+        stored search (benchmarks/results/tune_*.json) agrees: no eager setting fit where such a flash one did not."""
+        attention = self.attention == other.attention or (self.attention, other.attention) == ("eager", "flash")
         return (
-            (self.attention, self.packing) == (other.attention, other.packing)
+            attention
+            and self.packing == other.packing
             and self.rows >= other.rows
             and CHECKPOINTING.index(self.checkpointing) <= CHECKPOINTING.index(other.checkpointing)
         )

@@ -53,7 +53,7 @@ class ModelSection(Section):
         "none",
         description="Freeze the base's decoder linears in int8 (one scale per output row), int4 "
         "(one scale per group of inputs, two per byte) or nf4 (QLoRA's 4-bit NormalFloat in bitsandbytes' "
-        "layout), quantized while loading; LoRA only (QLoRA).",
+        "arithmetic), quantized while loading; LoRA only (QLoRA).",
     )
     quantize_group_size: Literal[32, 64, 128, 256] = Field(
         64,

@@ -58,8 +58,8 @@ class Tensor:
 
 def quantized_weight(out: int, inp: int, st: Setting) -> list[Tensor]:
     """``QuantizedLinear``'s frozen ``qweight`` and ``scale``: int8 ``[out, in]`` with one scale per row,
-    int4 packed two per byte ``[out, ceil(in/g)*g/2]`` with ``[out, ceil(in/g)]`` scales (model dtype), or
-    nf4 packed ``[in/2, out]`` (``model.nf4``'s layout) with ``[out, in/g]`` fp32 maxima, or with double
+    int4 packed two per byte ``[ceil(in/g)*g/2, out]`` (``model.nibbles``' layout) with ``[out, ceil(in/g)]``
+    scales (model dtype), or nf4 packed ``[in/2, out]`` (the same layout) with ``[out, in/g]`` fp32 maxima, or with double
     quantization u8 maxima and an fp32 scale per 256 of them."""
     size = DTYPE_BYTES[st.dtype]
     if st.quantize == "nf4":
@@ -72,7 +72,7 @@ def quantized_weight(out: int, inp: int, st: Setting) -> list[Tensor]:
         return [Tensor((out, inp), 1, False, out * inp), Tensor((out,), size, False, 0)]
     groups = math.ceil(inp / st.group_size)
     return [
-        Tensor((out, groups * st.group_size // 2), 1, False, out * inp),
+        Tensor((groups * st.group_size // 2, out), 1, False, out * inp),
         Tensor((out, groups), size, False, 0),
     ]
 

@@ -7,12 +7,9 @@ value, the index of the nearest of the 16 NormalFloat levels of ``value / absmax
 quantization the fp32 maxima lose their mean (``offset``) and are themselves quantized to 8 bits in blocks
 of 256 against bitsandbytes' signed dynamic code. Indices, maxima and second level are bitsandbytes'.
 
-The indices are stored for the TPU (:func:`to_bitsandbytes` gives bitsandbytes' bytes): ``[in / 2, out]``,
-the byte at ``[j, o]`` holding ``w[o, j]``'s index in its high nibble and ``w[o, j + in / 2]``'s in its low
-one. Unpacking is then two elementwise passes over the bytes and a concatenation of whole rows, giving
-``w``'s transpose, which a matmul takes as it is. bitsandbytes' layout (adjacent inputs in one byte) would
-interleave the two nibbles along the minor dimension: a lane shuffle that the TPU compiler materialises as a
-``[out, in / 2, 2]`` byte tensor, most of a QLoRA step's time by its cost model.
+The indices are stored for the TPU (``model.nibbles``; :func:`to_bitsandbytes` gives bitsandbytes' bytes):
+``[in / 2, out]``, the byte at ``[j, o]`` holding ``w[o, j]``'s index in its high nibble and
+``w[o, j + in / 2]``'s in its low one.
 
 Dequantizing computes every product in fp32 and casts once, as bitsandbytes does: products in
 bf16 change about a fifth of the values. Under XLA, ``code2[q] * absmax2 + offset`` may fuse into one
@@ -25,6 +22,8 @@ from dataclasses import dataclass
 from functools import cache
 
 import torch
+
+from lowmem_tpu.model.nibbles import pack_halves, unpack_halves
 
 # The 16 NormalFloat levels (QLoRA, appendix E), as bitsandbytes stores them.
 NF4_LEVELS = (
@@ -134,9 +133,7 @@ def quantize_nf4(weight: torch.Tensor, blocksize: int, double: bool) -> NF4Weigh
         raise ValueError(f"{in_features} inputs: NF4 packs two weights a byte along a row")
     flat = weight.detach().reshape(-1).to(torch.float32)
     q, absmax = _blockwise(flat, blocksize, nf4_code())
-    rows = q.view(out_features, in_features)
-    half = in_features // 2
-    packed = ((rows[:, :half] << 4) | rows[:, half:]).t().contiguous()
+    packed = pack_halves(q.view(out_features, in_features))
     absmax2 = offset = None
     if double:
         offset = absmax.mean()
@@ -158,7 +155,7 @@ def block_maxima(weight: NF4Weight) -> torch.Tensor:
 def to_bitsandbytes(packed: torch.Tensor) -> torch.Tensor:
     """bitsandbytes' packed bytes (``[out * in / 2]``, adjacent inputs in one byte, the first high) of
     indices stored ``[in / 2, out]`` as this module stores them."""
-    rows = torch.cat([packed >> 4, packed & 15]).t()  # [out, in]: every index in its place
+    rows = torch.cat(unpack_halves(packed)).t()  # [out, in]: every index in its place
     return ((rows[:, 0::2] << 4) | rows[:, 1::2]).reshape(-1)
 
 
@@ -179,7 +176,7 @@ def dequantize_nf4(weight: NF4Weight, dtype: torch.dtype) -> torch.Tensor:
     on an XLA tensor, whose storage is always contiguous; on the CPU it gives the layout a product expects)."""
     half, out_features = weight.packed.shape
     maxima = block_maxima(weight)
-    indices = (weight.packed >> 4, weight.packed & 15)  # w^T's first and second half of rows
+    indices = unpack_halves(weight.packed)  # w^T's first and second half of rows
     if maxima.dim() == 2 and maxima.shape[1] % 2 == 0:  # each half of a row is whole blocks: scaled apart
         halves = [
             (levels(q).view(-1, 2 * half // maxima.shape[1], out_features) * m.t().unsqueeze(1)).to(dtype)

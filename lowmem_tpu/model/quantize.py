@@ -10,7 +10,7 @@ libtpu's cost model, both ways).
 
 - int8: symmetric, one scale per output row (``w ~ q * scale``, ``q`` in [-127, 127]).
 - int4: symmetric, one scale per group of ``group_size`` inputs (``q`` in [-7, 7]), two
-  values per byte (low nibble first). An input width that is not a multiple of the group
+  values per byte in ``model.nibbles``' TPU layout. An input width that is not a multiple of the group
   is zero-padded to one, and the padding is sliced off after dequantizing.
 - nf4: QLoRA's 4-bit NormalFloat with double quantization, bitsandbytes' arithmetic, laid out for the TPU
   (``model.nf4``).
@@ -34,6 +34,7 @@ from torch import nn
 from lowmem_tpu.config import ModelSection
 from lowmem_tpu.errors import UserError
 from lowmem_tpu.model.nf4 import NF4Weight, dequantize_nf4, maxima_shape, quantize_nf4
+from lowmem_tpu.model.nibbles import pack_halves, unpack_halves
 
 QMAX = {8: 127, 4: 7}
 
@@ -57,8 +58,8 @@ class QuantSpec:
 
 
 def quantize_weight(weight: torch.Tensor, bits: int, group_size: int, dtype: torch.dtype):
-    """``(q, scale)`` of a 2-D weight: int8 ``[out, in]`` + ``[out, 1]``, or packed uint8
-    ``[out, padded_in / 2]`` + ``[out, padded_in / group_size]`` for int4."""
+    """``(q, scale)`` of a 2-D weight: int8 ``[out, in]`` + ``[out]``, or for int4 uint8 packed in
+    ``model.nibbles``' layout ``[padded_in / 2, out]`` + ``[out, padded_in / group_size]``."""
     w = weight.detach().to(torch.float32)
     out_features, in_features = w.shape
     qmax = QMAX[bits]
@@ -73,21 +74,21 @@ def quantize_weight(weight: torch.Tensor, bits: int, group_size: int, dtype: tor
     if bits == 8:
         return q.view(out_features, in_features), scale.view(out_features)
     scale = scale.squeeze(-1)
-    nibbles = (q.view(out_features, -1) + 8).to(torch.uint8)  # 1..15; 8 is zero
-    return nibbles[:, 0::2] | (nibbles[:, 1::2] << 4), scale
+    return pack_halves((q.view(out_features, -1) + 8).to(torch.uint8)), scale  # 1..15; 8 is zero
 
 
 def dequantize_weight(
     q: torch.Tensor, scale: torch.Tensor, bits: int, group_size: int, in_features: int, dtype: torch.dtype
 ) -> torch.Tensor:
-    """The ``[out, in]`` weight in ``dtype`` (on whatever device ``q`` lives)."""
+    """The ``[out, in]`` weight in ``dtype`` (on whatever device ``q`` lives). int4 is computed as its
+    transpose (``model.nibbles``' layout): a group is ``group_size`` consecutive rows of it, so a scale is
+    broadcast along rows, not lanes, and the final transpose is a layout a matmul absorbs."""
     if bits == 8:
         return q.to(dtype) * scale.to(dtype).unsqueeze(-1)
-    out_features = q.shape[0]
-    low, high = q & 15, q >> 4
-    values = torch.stack((low, high), dim=-1).view(out_features, -1, group_size).to(dtype) - 8
-    weight = (values * scale.to(dtype).unsqueeze(-1)).view(out_features, -1)
-    return weight[:, :in_features] if weight.shape[1] != in_features else weight
+    out_features = q.shape[1]
+    values = torch.cat(unpack_halves(q)).to(dtype) - 8  # [padded in, out], exact in any float dtype
+    scaled = (values.view(-1, group_size, out_features) * scale.to(dtype).t().unsqueeze(1)).view(-1, out_features)
+    return scaled[:in_features].t().contiguous()
 
 
 class QuantizedLinear(nn.Linear):
@@ -212,7 +213,7 @@ def _shapes(
         return (out_features, in_features), torch.int8, (out_features,), dtype
     if spec.method == "int4":
         groups = math.ceil(in_features / spec.group_size)
-        return (out_features, groups * spec.group_size // 2), torch.uint8, (out_features, groups), dtype
+        return (groups * spec.group_size // 2, out_features), torch.uint8, (out_features, groups), dtype
     if in_features % 2:
         raise UserError(
             f"model.quantize: nf4 packs two weights a byte along a row, and this model has a linear layer of "

@@ -395,11 +395,11 @@ def test_quantized_base_holds_integers_and_scales_and_counts_logical_parameters(
     lora = replace(BASE, lora=True, dtype="bfloat16")
     int8 = plan(replace(lora, quantize="int8"), layout="cpu")
     int4 = plan(replace(lora, quantize="int4", group_size=32), layout="cpu")
-    # int8: [out, in] at 1 byte + one bf16 scale per row; int4: [out, ceil(in/32)*16] bytes + [out, ceil(in/32)].
+    # int8: [out, in] at 1 byte + one bf16 scale per row; int4: [ceil(in/32)*16, out] bytes + [out, ceil(in/32)].
     tensors = memory.parameters(SHAPE, replace(lora, quantize="int4", group_size=32))
-    gate = [t for t in tensors if t.shape == (i, 32) and t.itemsize == 1]  # gate/up: [160, 64] -> [160, 32] packed
+    gate = [t for t in tensors if t.shape == (32, i) and t.itemsize == 1]  # gate/up: [160, 64] -> [32, 160] packed
     assert len(gate) == 2 * n and all(t.parameters == i * h for t in gate)
-    down = [t for t in tensors if t.shape == (h, 80) and t.itemsize == 1]  # down: in 160 -> 5 groups -> 80 bytes
+    down = [t for t in tensors if t.shape == (80, h) and t.itemsize == 1]  # down: in 160 -> 5 groups -> 80 bytes
     assert len(down) == n
     assert plan(lora).total_parameters == int8.total_parameters == int4.total_parameters  # logical, not packed
     per_layer8 = 4 * (16 * h + 16 * 2) + 2 * (40 * h + 40 * 2) + (16 * i + 16 * 2)  # sharded rows, 4 devices

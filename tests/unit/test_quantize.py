@@ -44,18 +44,24 @@ def test_round_trip_error_is_what_the_bit_width_allows(bits, group, shape, bound
     if bits == 8:
         assert q.dtype == torch.int8 and q.shape == shape and scale.shape == (shape[0],)
     else:  # two values per byte, the input padded to whole groups
-        assert q.dtype == torch.uint8 and q.shape == (shape[0], groups * group // 2)
+        assert q.dtype == torch.uint8 and q.shape == (groups * group // 2, shape[0])  # model.nibbles' layout
         assert scale.shape == (shape[0], groups)
     assert scale.dtype == dtype
 
 
-def test_int4_packs_low_nibble_first_and_keeps_zero_exact():
-    weight = torch.tensor([[7.0, -7.0, 0.0, 1.0] + [0.0] * 28])
+def test_int4_packs_a_rows_two_halves_in_a_byte_and_keeps_zero_exact():
+    """model.nibbles' layout: ``[in / 2, out]``, byte ``[j, o]`` = index ``j`` (high) and ``j + in / 2`` (low)."""
+    weight = torch.zeros(2, 32)
+    weight[0, :4] = torch.tensor([7.0, -7.0, 0.0, 1.0])
+    weight[0, 16], weight[1, 17] = -3.0, 2.0
     q, scale = quantize_weight(weight, 4, 32, torch.float32)
-    assert scale.item() == 1.0
-    assert q[0, 0].item() == (7 + 8) | ((-7 + 8) << 4)
-    assert q[0, 1].item() == 8 | ((1 + 8) << 4)
-    assert torch.equal(dequantize_weight(q, scale, 4, 32, 32, torch.float32), weight)
+    assert q.shape == (16, 2) and torch.allclose(scale, torch.tensor([[1.0], [2 / 7]]))
+    assert q[0, 0].item() == ((7 + 8) << 4) | (-3 + 8)
+    assert q[1, 0].item() == ((-7 + 8) << 4) | 8
+    assert q[3, 0].item() == ((1 + 8) << 4) | 8
+    assert q[1, 1].item() == (8 << 4) | (7 + 8) and q[0, 1].item() == (8 << 4) | 8
+    assert torch.equal(dequantize_weight(q, scale, 4, 32, 32, torch.float32)[0], weight[0])
+    assert torch.allclose(dequantize_weight(q, scale, 4, 32, 32, torch.float32), weight)
 
 
 def test_quantized_linear_is_a_frozen_linear_that_peft_wraps():

@@ -83,14 +83,18 @@ def test_knobs_held_stay_as_the_recipe_has_them():
 
 
 def test_a_setting_holding_at_least_what_did_not_fit_is_not_compiled():
-    """More rows, or fewer layers recomputed, than a setting over the chip (same attention, packing) is over too."""
+    """More rows, or fewer layers recomputed, than a setting over the chip (same packing; same attention, or
+    eager where it had flash) is over too."""
     over = Candidate(2, 2, "every_4", "flash", True)
     assert Candidate(4, 1, "every_4", "flash", True).needs_at_least(over)
     assert Candidate(2, 2, False, "flash", True).needs_at_least(over)
     assert over.needs_at_least(over)
     assert not Candidate(1, 4, False, "flash", True).needs_at_least(over)  # fewer rows: may fit
     assert not Candidate(4, 1, "every_2", "flash", True).needs_at_least(over)  # more recomputed: may fit
-    assert not Candidate(2, 2, "every_4", "eager", True).needs_at_least(over)  # other attention: another program
+    assert Candidate(2, 2, "every_4", "eager", True).needs_at_least(over)  # eager keeps the scores flash does not
+    assert not over.needs_at_least(Candidate(2, 2, "every_4", "eager", True))  # flash may fit where eager did not
+    assert not Candidate(2, 2, "every_4", "chunked", True).needs_at_least(over)  # another kernel: another program
+    assert not Candidate(2, 2, "every_4", "flash", False).needs_at_least(over)
 
 
 def test_a_preference_recipe_counts_pairs():
