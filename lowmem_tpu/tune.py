@@ -57,11 +57,14 @@ class Candidate:
         """Whether this setting holds at least what ``other`` holds: as many rows or more, as few layers
         recomputed or fewer, the same packing and the same attention or eager where ``other`` has flash
         (eager keeps every live layer's scores, flash none), so over the chip wherever ``other`` is. Every
-        stored search (benchmarks/results/tune_*.json) agrees: no eager setting fit where such a flash one did not."""
+        stored search (benchmarks/results/tune_*.json) agrees: no eager setting fit where such a flash one did not.
+        A program of micro-batches is compared only with another: it keeps the gradients between them, which a
+        whole step does not (for full fine-tuning, more than a micro-batch's activations)."""
         attention = self.attention == other.attention or (self.attention, other.attention) == ("eager", "flash")
         return (
             attention
             and self.packing == other.packing
+            and (self.accumulation > 1) == (other.accumulation > 1)  # micro-batches: another program
             and self.rows >= other.rows
             and CHECKPOINTING.index(self.checkpointing) <= CHECKPOINTING.index(other.checkpointing)
         )

@@ -9,6 +9,7 @@ must cost what the same step with real weights costs (what needs no compile: uni
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -122,6 +123,25 @@ def test_accumulation_compiles_the_micro_batch_with_the_optimizer_state_beside_i
     assert r["temporaries"] < whole["temporaries"]  # half the sequences in the program
 
 
+def test_full_fine_tuning_hands_its_gradients_sharded_between_micro_batches(tmp_path):
+    """Trap ``whole-gradients``: a micro-batch's program outputs the accumulated gradients for the next one. Left
+    to itself SPMD outputs them whole on every chip (2.9 MB of outputs here against 1.0); each is sharded like its
+    weight. The tiny model's weights: [128, 128], [256, 128], [128, 256] (out, in), the embedding [48, 128]."""
+    import re
+
+    from lowmem_tpu.config import load_recipe
+    from lowmem_tpu.config.devices import DEVICES
+    from lowmem_tpu.measure.buffers import optimized_hlo
+
+    recipe = load_recipe(TINY, ["lora.enabled=false", "train.gradient_accumulation_steps=2", "runtime.device=auto"])
+    result = tpu_compile.compile_recipe(recipe, DEVICES["v5e-8"], keep=tmp_path)
+    entry = optimized_hlo(tpu_compile.buffer_assignment(tmp_path / "tpu")).read_text().split("ENTRY", 1)[1]
+    outputs = re.findall(r"f32\[([\d,]*)\]", entry.split("\n", 1)[0].split(") -> (", 1)[1])
+    whole = {"128,128", "256,128", "128,256", "48,128", "128,48"}
+    assert result.fits and outputs and not whole & set(outputs)
+    assert {"16,128", "32,128", "128,32"} <= set(outputs)  # an eighth of each, split along its largest dimension
+
+
 def test_scan_layers_without_its_extra_is_one_line_before_anything_runs(monkeypatch, tmp_path):
     import importlib.metadata
 
@@ -203,7 +223,6 @@ def test_a_quantized_base_gathers_packed_bytes_or_nf4_its_dequantized_shards(tmp
     dequantized decoder weight. NF4: each chip dequantizes its own shard of the indices, so the all-gathers
     move the block maxima and the bf16 weights, never the packed indices. The tiny model's projections are
     [128, 128], [256, 128], [128, 256] (out, in)."""
-    import math
     import re
 
     from lowmem_tpu.config import load_recipe

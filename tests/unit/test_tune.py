@@ -86,7 +86,7 @@ def test_a_setting_holding_at_least_what_did_not_fit_is_not_compiled():
     """More rows, or fewer layers recomputed, than a setting over the chip (same packing; same attention, or
     eager where it had flash) is over too."""
     over = Candidate(2, 2, "every_4", "flash", True)
-    assert Candidate(4, 1, "every_4", "flash", True).needs_at_least(over)
+    assert Candidate(4, 2, "every_4", "flash", True).needs_at_least(over)
     assert Candidate(2, 2, False, "flash", True).needs_at_least(over)
     assert over.needs_at_least(over)
     assert not Candidate(1, 4, False, "flash", True).needs_at_least(over)  # fewer rows: may fit
@@ -95,6 +95,7 @@ def test_a_setting_holding_at_least_what_did_not_fit_is_not_compiled():
     assert not over.needs_at_least(Candidate(2, 2, "every_4", "eager", True))  # flash may fit where eager did not
     assert not Candidate(2, 2, "every_4", "chunked", True).needs_at_least(over)  # another kernel: another program
     assert not Candidate(2, 2, "every_4", "flash", False).needs_at_least(over)
+    assert not Candidate(4, 1, "every_4", "flash", True).needs_at_least(Candidate(1, 4, "every_4", "flash", True))
 
 
 def test_a_preference_recipe_counts_pairs():
