@@ -59,8 +59,8 @@ class Tensor:
 def quantized_weight(out: int, inp: int, st: Setting) -> list[Tensor]:
     """``QuantizedLinear``'s frozen ``qweight`` and ``scale``: int8 ``[out, in]`` with one scale per row,
     int4 packed two per byte ``[ceil(in/g)*g/2, out]`` (``model.nibbles``' layout) with ``[out, ceil(in/g)]``
-    scales (model dtype), or nf4 packed ``[in/2, out]`` (the same layout) with ``[out, in/g]`` fp32 maxima, or with double
-    quantization u8 maxima and an fp32 scale per 256 of them."""
+    scales (model dtype), or nf4 packed ``[in/2, out]`` (the same layout) with ``[out, in/g]`` fp32 maxima, or
+    with double quantization u8 maxima and an fp32 scale per 256 of them."""
     size = DTYPE_BYTES[st.dtype]
     if st.quantize == "nf4":
         blocks = math.ceil(out * inp / st.group_size)  # a flat vector when blocks cross rows
