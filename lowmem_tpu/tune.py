@@ -188,7 +188,7 @@ def flash_allowed(recipe: Recipe) -> bool:
 def _try(recipe: Recipe, device: Device, item: Tried, fill: float | None, source: str) -> None:
     from lowmem_tpu.errors import UserError
     from lowmem_tpu.measure.tpu_compile import compile_recipe
-    from lowmem_tpu.measure.tpu_layers import LAYERS, compile_by_layers, layers_of
+    from lowmem_tpu.measure.tpu_layers import compile_by_layers, layer_points, layers_of
     from lowmem_tpu.measure.tpu_report import compile_beside_plan
     from lowmem_tpu.memory.advise import plan_recipe
     from lowmem_tpu.model.loading import require_config
@@ -205,7 +205,7 @@ def _try(recipe: Recipe, device: Device, item: Tried, fill: float | None, source
         item.verdict = "skipped: the planner puts it far over"
         return
     try:
-        if layers_of(trial) > LAYERS[-1]:
+        if layers_of(trial) > layer_points(trial)[-1]:
             import tempfile
 
             with tempfile.TemporaryDirectory(prefix="lowmem-tpu-tune-") as tmp:

@@ -620,6 +620,7 @@ TABLES: list[tuple[Path, str, Callable[[], str]]] = [
     (DOCS / "speed.md", "tune-phi3-mini-lora-v5e1", tune_table("tune_phi3_mini_lora_v5e1.json")),
     (DOCS / "speed.md", "tune-gemma3-4b-lora-v5e1", tune_table("tune_gemma3_4b_lora_v5e1.json")),
     (DOCS / "speed.md", "tune-open-llama-full", tune_table("tune_open_llama_full.json")),
+    (DOCS / "speed.md", "tune-open-llama-7b-full-v5e16", tune_table("tune_open_llama_7b_full_v5e16.json")),
     (DOCS / "speed.md", "tune-llama3-8b-qlora-v5e1", tune_table("tune_llama3_8b_qlora_v5e1.json")),
     (DOCS / "speed.md", "tune-llama3-8b-qlora-v5e1-rows", tune_table("tune_llama3_8b_qlora_v5e1_rows.json")),
     (DOCS / "speed.md", "tune-llama3-3b-dpo-v5e1", tune_table("tune_llama3_3b_dpo_v5e1.json")),

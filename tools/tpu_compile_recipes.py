@@ -37,7 +37,7 @@ from lowmem_tpu.measure.tpu_compile import (
     compile_traced,
     trace_step,
 )
-from lowmem_tpu.measure.tpu_layers import LAYERS, WHOLE_LIMIT, compile_points, extrapolate, layers_of
+from lowmem_tpu.measure.tpu_layers import WHOLE_LIMIT, compile_points, extrapolate, layer_points, layers_of
 from lowmem_tpu.measure.tpu_report import compile_beside_plan
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -121,7 +121,7 @@ def _compiled(name: str, device: str, path: Path, recorded: dict | None, timeout
             print("  the same program as recorded: its figures stand", file=sys.stderr, flush=True)
             return recorded | _replanned(recipe, device, recorded) | {"reused": True}
         whole_too_big = (recorded or {}).get("whole_blocked")  # known: straight to the layers
-        few = layers_of(recipe) <= LAYERS[-1]
+        few = layers_of(recipe) <= layer_points(recipe)[-1]
         try:
             try:
                 if (whole_too_big or not whole_limit) and not few:
@@ -132,7 +132,8 @@ def _compiled(name: str, device: str, path: Path, recorded: dict | None, timeout
             except (HostMemoryExhausted, CompileTooLong) as err:
                 if few:
                     raise
-                print(f"  {err}\n  compiling 2 and 4 layers, extrapolated...", file=sys.stderr, flush=True)
+                low, high = layer_points(recipe)
+                print(f"  {err}\n  compiling {low} and {high} layers, extrapolated...", file=sys.stderr, flush=True)
                 points = compile_points(recipe, target, Path(tmp) / "layers", timeout)
                 result = extrapolate(points, layers_of(recipe))
                 extra = {"whole_blocked": str(err), "layers": {n: _point(p) for n, p in points.items()}}

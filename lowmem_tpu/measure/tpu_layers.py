@@ -37,6 +37,15 @@ LINEAR = ("arguments", "outputs", "aliased", "temporaries", "scratch", "host", "
 LINEAR_RUN = ("placeholders", "donated")
 
 
+def layer_points(recipe: Recipe) -> tuple[int, int]:
+    """The layer counts a cut step is compiled at: 2 and 4, or K and 2K where one layer in K is recomputed
+    (``every_K``, K > 2), so that the layers between the two hold one recomputed layer in K as the whole model's
+    do (at 2 and 4 layers with every_4 the two added layers are both kept: the line then puts the whole step
+    over what it holds and faster than it runs)."""
+    every = recipe.sharding.checkpoint_every
+    return (every, 2 * every) if every > 2 else LAYERS
+
+
 def layers_of(recipe: Recipe) -> int:
     config = _config(recipe)
     return int(config.get("text_config", config)["num_hidden_layers"])
@@ -108,19 +117,19 @@ def _kernel_key(kernel: dict[str, Any]) -> str:
 
 
 def compile_points(recipe: Recipe, device: Device, work: Path, timeout: float = 3600) -> dict[int, TpuCompile]:
-    """The recipe's step compiled at each of :data:`LAYERS` layers."""
+    """The recipe's step compiled at each of its :func:`layer_points`."""
     layers = layers_of(recipe)
-    if layers <= LAYERS[-1]:
+    if layers <= layer_points(recipe)[-1]:
         raise UserError(f"the model has {layers} layers: compile it whole (nothing to extrapolate)")
     points = {}
-    for n in LAYERS:
+    for n in layer_points(recipe):
         traced = trace_cut(recipe, device, n, work, timeout)
         points[n] = compile_traced(traced, device, work / f"compile-{n}", timeout)
     return points
 
 
 def compile_by_layers(recipe: Recipe, device: Device, work: Path, timeout: float = 3600) -> TpuCompile:
-    """The recipe compiled at :data:`LAYERS` layers and extrapolated to its own layer count."""
+    """The recipe compiled at its :func:`layer_points` and extrapolated to its own layer count."""
     return extrapolate(compile_points(recipe, device, work, timeout), layers_of(recipe))
 
 
@@ -129,13 +138,14 @@ def compile_or_extrapolate(
 ) -> TpuCompile:
     """The whole step compiled; if this machine's RAM runs out under the compiler, or the whole compile takes
     over ``whole_limit`` seconds (an 8B step takes over 20 minutes here), 2 and 4 layers extrapolated."""
-    few = layers_of(recipe) <= LAYERS[-1]
+    few = layers_of(recipe) <= layer_points(recipe)[-1]
     try:
         return compile_recipe(recipe, device, timeout if few else min(timeout, whole_limit))
     except (HostMemoryExhausted, CompileTooLong) as err:
         if few:
             raise
-        layers = f"{LAYERS[0]} and {LAYERS[1]} layers instead, extrapolated to {layers_of(recipe)}"
+        low, high = layer_points(recipe)
+        layers = f"{low} and {high} layers instead, extrapolated to {layers_of(recipe)}"
         print(f"{err}\ncompiling {layers}...", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory(prefix="lowmem-tpu-layers-") as tmp:
         return compile_by_layers(recipe, device, Path(tmp), timeout)
