@@ -169,8 +169,8 @@ def layers_table() -> str:
 
     records = json.loads(RECORD.read_text())
     rows = [
-        "| recipe | target | 2 layers: needed (arguments / temporaries) | 4 layers | one layer more "
-        "| the line at the model's layers | host peak at 2 / 4 layers |",
+        "| recipe | target | fewer layers: needed (arguments / temporaries) | more layers | one layer more "
+        "| the line at the model's layers | host peak at fewer / more layers |",
         "|---|---|---|---|---|---|---|",
     ]
     for name, device, path in _targets():
@@ -181,11 +181,12 @@ def layers_table() -> str:
         layers = shape_of(require_config(load_recipe(str(path), ["runtime.device=tpu"]))).layers
         step = (high["needed"] - low["needed"]) / (record["extrapolated_from"][1] - record["extrapolated_from"][0])
 
-        def point(p: dict) -> str:
-            return f"{size(p['needed'])} ({size(p['arguments'])} / {size(p['temporaries'])})"
+        def point(n: int, p: dict) -> str:
+            return f"{n}: {size(p['needed'])} ({size(p['arguments'])} / {size(p['temporaries'])})"
 
+        fewer, more = record["extrapolated_from"]
         rows.append(
-            f"| `{name}.yaml` | {device} | {point(low)} | {point(high)} | {size(step)} "
+            f"| `{name}.yaml` | {device} | {point(fewer, low)} | {point(more, high)} | {size(step)} "
             f"| {size(record['needed'])} at {layers} | "
             f"{size(low['host_peak_rss_bytes'])} / {size(high['host_peak_rss_bytes'])} |"
         )

@@ -60,7 +60,7 @@ def main() -> int:
     parser.add_argument("--check", action="store_true", help="exit 1 when a shipped recipe does not fit its target")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds one compile may take here")
     parser.add_argument(
-        "--layers", action="store_true", help="compile at 2 and 4 layers, extrapolated, without trying the whole step"
+        "--layers", action="store_true", help="compile at 2 and 4 layers (K, 2K for every_K), extrapolated, not whole"
     )
     parser.add_argument(
         "--whole-limit",
