@@ -131,7 +131,8 @@ def test_a_step_recomputing_one_layer_in_k_is_cut_at_k_and_2k_layers():
     from lowmem_tpu.measure.tpu_layers import layer_points
 
     def points(policy: str) -> tuple[int, int]:
-        return layer_points(load_recipe("recipes/open_llama_full.yaml", [f"sharding.activation_checkpointing={policy}"]))
+        recipe = load_recipe("recipes/open_llama_full.yaml", [f"sharding.activation_checkpointing={policy}"])
+        return layer_points(recipe)
 
     assert points("true") == points("false") == points("every_2") == (2, 4)
     assert points("every_3") == (3, 6) and points("every_4") == (4, 8)
