@@ -176,7 +176,8 @@ QUANTIZED_KEPT_PER_LAYER = {"weights gathered": 5.3, "activations gathered": 1.8
 # temporaries exceed a bf16 base's by 5.5 fp32 copies of the largest projection at Open Llama 3B's width
 # (4 layers, 4 x 1024 tokens: 575.6 MiB; three [8640, 3200] fp32 buffers live at the peak) and by 3.9 at
 # the 7B's (4 layers, 2 x 1024 tokens: 0.65 GiB), whatever the number of layers (the per-layer slope is
-# bf16's). int8 (one scale per row) shows none.
+# bf16's). int8 (one scale per row) shows none. These int4 terms were read off int4's earlier layout (adjacent
+# nibbles, unpacked along lanes); ``model.nibbles``' layout compiles to less, so they now plan int4 high.
 INT4_ONE_CHIP_FP32_COPIES = 4.5
 
 
