@@ -25,7 +25,25 @@ RECIPES = Path(__file__).parent.parent / "recipes"
 
 
 class _Loader(yaml.SafeLoader):
-    """YAML 1.1 as PyYAML reads it, plus YAML 1.2 floats without a dot (``3e-4``, ``1e5``)."""
+    """YAML 1.1 as PyYAML reads it, plus YAML 1.2 floats without a dot (``3e-4``, ``1e5``); a key given twice
+    in one mapping is an error (YAML would keep the last and silently drop the first's fields)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        first: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key_node.tag == "tag:yaml.org,2002:merge" or not isinstance(key, str | int | float | bool):
+                continue
+            if key in first:
+                raise yaml.constructor.ConstructorError(
+                    None,
+                    None,
+                    f"{key!r} is given twice (lines {first[key] + 1} and {key_node.start_mark.line + 1}): "
+                    "YAML would keep only the second; merge the two into one",
+                    key_node.start_mark,
+                )
+            first[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
 
 
 _Loader.add_implicit_resolver(

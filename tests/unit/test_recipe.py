@@ -175,6 +175,10 @@ def test_missing_recipe_and_bad_yaml(tmp_path):
     (tmp_path / "bad.yaml").write_text("lora: [unclosed\n")
     with pytest.raises(RecipeError, match="recipe: not valid YAML"):
         load_recipe(tmp_path / "bad.yaml")
+    twice = "model:\n  name_or_path: a/b\ntrain:\n  max_steps: 5\nmodel:\n  dtype: bfloat16\n"
+    (tmp_path / "twice.yaml").write_text(twice)
+    with pytest.raises(RecipeError, match=r"'model' is given twice \(lines 1 and 5\).*merge the two into one"):
+        load_recipe(tmp_path / "twice.yaml")
     (tmp_path / "list.yaml").write_text("- a\n- b\n")
     with pytest.raises(RecipeError, match="must hold a mapping"):
         load_recipe(tmp_path / "list.yaml")
