@@ -81,6 +81,8 @@ TABLES: list[tuple[Path, str, Callable[[], str]]] = [
     (DOCS / "speed.md", "tune-llama3-8b-qlora-v5e1", tune_table("tune_llama3_8b_qlora_v5e1.json")),
     (DOCS / "speed.md", "tune-llama3-8b-qlora-v5e1-rows", tune_table("tune_llama3_8b_qlora_v5e1_rows.json")),
     (DOCS / "speed.md", "tune-llama3-3b-dpo-v5e1", tune_table("tune_llama3_3b_dpo_v5e1.json")),
+    (DOCS / "speed.md", "tune-llama3-3b-dpo-full-v5e8", tune_table("tune_llama3_3b_dpo_full_v5e8.json")),
+    (DOCS / "speed.md", "tune-llama3-8b-dpo-v5e8", tune_table("tune_llama3_8b_dpo_v5e8.json")),
     (DOCS / "speed.md", "nf4-layout", nf4_layout_table),
     (DOCS / "speed.md", "tune-llama2-70b-qlora-v5e8", tune_table("tune_llama2_70b_qlora_v5e8.json")),
     (DOCS / "speed.md", "adapter-dtype-loss", benchmark_table("adapter_dtype_loss")),
