@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -228,10 +228,20 @@ def best(tried: list[Tried]) -> Tried | None:
     return max(fitting, key=lambda t: t.speed) if fitting else None
 
 
-def tuned_yaml(recipe_path: Path, out: Path, recipe: Recipe, device: Device, chosen: Tried, baseline: Tried) -> str:
-    """The tuned recipe: ``extends`` the original, sets what changed, and says why in its header."""
+def tuned_yaml(
+    recipe_path: Path,
+    out: Path,
+    recipe: Recipe,
+    device: Device,
+    chosen: Tried,
+    baseline: Tried,
+    given: Sequence[str] = (),
+) -> str:
+    """The tuned recipe: ``extends`` the original, sets the overrides tune was ``given`` (every candidate was
+    compiled with them) and what changed, and says why in its header."""
     parent = os.path.relpath(os.path.abspath(recipe_path), os.path.abspath(out.parent))
-    changes = [
+    given = [o for o in given if not o.startswith("runtime.device=")]
+    changes = given + [
         o for o in chosen.candidate.overrides(device.devices) if o not in baseline.candidate.overrides(device.devices)
     ]
     lines = [
@@ -240,17 +250,34 @@ def tuned_yaml(recipe_path: Path, out: Path, recipe: Recipe, device: Device, cho
         f"#             {_figures(chosen)}",
         f"#   original: {baseline.candidate.describe()}",
         f"#             {_figures(baseline)}",
+        *([f"#   given:    {' '.join(given)}"] if given else []),
         "# Figures from the TPU compiler's program of the step, not a run; `lowmem-tpu memory THIS --compile`.",
         f"extends: {parent}",
     ]
-    sections: dict[str, list[str]] = {}
-    for change in changes:
-        key, value = change.split("=", 1)
-        section, name = key.split(".", 1)
-        sections.setdefault(section, []).append(f"  {name}: {value}")
-    for section, entries in sections.items():
-        lines += [f"{section}:", *entries]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _nested(changes)) + "\n"
+
+
+def _nested(overrides: list[str]) -> list[str]:
+    """``section.key=value`` overrides as YAML mappings (a later one for the same key wins), values as given."""
+    tree: dict[str, Any] = {}
+    for override in overrides:
+        key, value = override.split("=", 1)
+        *path, name = key.split(".")
+        node = tree
+        for part in path:
+            node = node.setdefault(part, {})
+        node[name] = value
+
+    def lines(node: dict[str, Any], indent: str) -> list[str]:
+        out = []
+        for name, value in node.items():
+            if isinstance(value, dict):
+                out += [f"{indent}{name}:", *lines(value, indent + "  ")]
+            else:
+                out.append(f"{indent}{name}: {value}")
+        return out
+
+    return lines(tree, "")
 
 
 def _figures(t: Tried) -> str:
@@ -271,12 +298,16 @@ def row(t: Tried) -> str:
     return f"{t.candidate.describe():<62} plan {planned} GiB  {_figures(t) if t.estimate else t.verdict}"
 
 
-def tune_json(tried: list[Tried], fills: dict[bool, float | None], source: str, device: Device) -> dict[str, Any]:
-    """What ``tune`` writes beside the recipe: every candidate, its plan, verdict and estimate."""
+def tune_json(
+    tried: list[Tried], fills: dict[bool, float | None], source: str, device: Device, given: Sequence[str] = ()
+) -> dict[str, Any]:
+    """What ``tune`` writes beside the recipe: the overrides it was given, every candidate, its plan, verdict and
+    estimate."""
     from dataclasses import asdict
 
     return {
         "target": device.name,
+        "overrides": [o for o in given if not o.startswith("runtime.device=")],
         "fill": {"padded": fills[False], "packed": fills[True], "source": source},
         "tried": [
             {"settings": asdict(t.candidate)} | {k: v for k, v in vars(t).items() if k != "candidate"} for t in tried

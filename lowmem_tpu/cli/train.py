@@ -315,9 +315,9 @@ def tune(
     if chosen is None:
         typer.echo(f"nothing fits {device.name}: no candidate fits per the TPU compiler; nothing written")
         raise typer.Exit(1)
-    report = tune_json(tried, fills, source, device)
+    report = tune_json(tried, fills, source, device, overrides or [])
     destination.with_suffix(".json").write_text(json.dumps(report, indent=2, default=str))
-    destination.write_text(tuned_yaml(path, destination, loaded, device, chosen, baseline))
+    destination.write_text(tuned_yaml(path, destination, loaded, device, chosen, baseline, overrides or []))
     typer.echo(f"fastest that fits: {row(chosen)}")
     typer.echo(f"the recipe as given: {row(baseline)}")
     typer.echo(f"wrote {destination} (extends {path.name}) and {destination.with_suffix('.json')}")

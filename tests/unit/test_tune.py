@@ -74,6 +74,22 @@ def test_the_tuned_recipe_extends_the_original_and_sets_only_what_changed(tmp_pa
     assert tuned.train.global_batch_size == 32 and tuned.sharding.checkpoint_every == 2
 
 
+def test_the_tuned_recipe_keeps_the_overrides_tune_was_given(tmp_path):
+    """Every candidate was compiled with them: the written recipe sets them, a knob tune changed after them."""
+    given = ["lora.dtype=model", "model.attn_implementation=eager", "data.max_length=512", "runtime.device=tpu"]
+    recipe = load_recipe(str(RECIPE), given)
+    estimate = {"reported": True, "step_seconds": 0.8, "mfu": 0.4, "tokens_per_second_per_chip": 5000.0}
+    baseline = Tried(Candidate(2, 2, False, "eager", True), needed=2**31, fits=True, estimate=estimate)
+    chosen = Tried(Candidate(2, 2, False, "flash", True), needed=2**31, fits=True, estimate=estimate)
+    out = tmp_path / "tuned.yaml"
+    out.write_text(tuned_yaml(RECIPE, out, recipe, DEVICES["v5e-8"], chosen, baseline, given))
+    assert "#   given:    lora.dtype=model model.attn_implementation=eager data.max_length=512" in out.read_text()
+    tuned = load_recipe(str(out))
+    assert tuned.lora.dtype == "model" and tuned.data.max_length == 512
+    assert tuned.model.attn_implementation == "flash"
+    assert tuned.runtime.device == load_recipe(str(RECIPE)).runtime.device  # where tune compiled is not kept
+
+
 def test_knobs_held_stay_as_the_recipe_has_them():
     recipe = load_recipe(str(RECIPE), ["runtime.device=tpu", *BEFORE])
     held = candidates(recipe, DEVICES["v5e-8"], {False: 0.5, True: 0.8}, False, keep=("checkpointing", "packing"))
