@@ -38,6 +38,7 @@ def test_tune_writes_the_fastest_fitting_recipe_which_validate_accepts(tmp_path)
     assert recipe["extends"].endswith("tiny_lora_cpu.yaml")
     accumulation = fastest["settings"]["accumulation"]
     assert recipe.get("train", {}).get("gradient_accumulation_steps", 1) == accumulation  # only what changed
+    assert recipe["train"]["global_batch_size"] == 16 and report["overrides"] == ["train.global_batch_size=16"]
     assert "tuned for v5e-8" in text and "original:" in text
     valid = command_cli("validate", str(out), "runtime.device=cpu")
     assert valid.returncode == 0, valid.stderr[-2000:]
