@@ -240,7 +240,7 @@ def tuned_yaml(
     """The tuned recipe: ``extends`` the original, sets the overrides tune was ``given`` (every candidate was
     compiled with them) and what changed, and says why in its header."""
     parent = os.path.relpath(os.path.abspath(recipe_path), os.path.abspath(out.parent))
-    given = [o for o in given if not o.startswith("runtime.device=")]
+    given = _portable(given)
     changes = given + [
         o for o in chosen.candidate.overrides(device.devices) if o not in baseline.candidate.overrides(device.devices)
     ]
@@ -255,6 +255,11 @@ def tuned_yaml(
         f"extends: {parent}",
     ]
     return "\n".join(lines + _nested(changes)) + "\n"
+
+
+def _portable(given: Sequence[str]) -> list[str]:
+    """The overrides tune was given, less where it compiled (``runtime.device``): the recipe runs anywhere."""
+    return [o for o in given if not o.startswith("runtime.device=")]
 
 
 def _nested(overrides: list[str]) -> list[str]:
@@ -307,7 +312,7 @@ def tune_json(
 
     return {
         "target": device.name,
-        "overrides": [o for o in given if not o.startswith("runtime.device=")],
+        "overrides": _portable(given),
         "fill": {"padded": fills[False], "packed": fills[True], "source": source},
         "tried": [
             {"settings": asdict(t.candidate)} | {k: v for k, v in vars(t).items() if k != "candidate"} for t in tried
