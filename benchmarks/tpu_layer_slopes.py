@@ -73,7 +73,7 @@ def slopes(name: str, recipe_path: str, device_name: str, overrides: list[str], 
         "per_layer_bytes": per_layer,
         "temporaries_per_token": round(per_layer["temporaries"] / hidden, 2),
         "windowed_outputs_per_token": round(per_layer["windowed_outputs_at_peak"] / hidden, 2),
-        "planned_kept_per_token": round(kept(shape, setting, True) / shape.layers / hidden, 2),
+        "planned_kept_per_token": round(kept(shape, setting, setting.checkpointing) / shape.layers / hidden, 2),
         "planned_quantized_per_token": round(dequantized(shape, setting) / shape.layers / hidden, 2),
         "points": points,
     }
