@@ -38,7 +38,7 @@ optional: a missing key takes the default below. Unknown keys are errors (with a
 mean" hint), and `lowmem-tpu validate` reports every problem at once.
 
 ```yaml
-extends: open_llama_lora.yaml   # start from another recipe (path relative to this file)
+extends: open_llama_lora.yaml   # start from another recipe (a file beside this one, else a shipped recipe)
 lora:
   enabled: false                # the child wins; mappings merge key by key
 train:

@@ -96,7 +96,8 @@ def _deep_merge(base: dict[str, Any], child: dict[str, Any]) -> dict[str, Any]:
 def read_recipe_file(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict[str, Any]:
     """A recipe file with its ``extends`` chain merged in (the child wins, mappings merge key by key).
 
-    ``extends`` names a file relative to the recipe that names it.
+    ``extends`` names a file relative to the recipe that names it, else a shipped recipe by name
+    (``extends: open_llama_lora.yaml`` from a recipe of one's own, anywhere).
     """
     path = Path(path).expanduser()
     resolved = path.resolve()
@@ -109,7 +110,9 @@ def read_recipe_file(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict[st
         return data
     if not isinstance(parent, str) or not parent:
         raise RecipeError([f"extends: must be a recipe file name, not {parent!r} (in {_show(path)})"])
-    return _deep_merge(read_recipe_file(path.parent / Path(parent).expanduser(), (*_chain, resolved)), data)
+    named = path.parent / Path(parent).expanduser()
+    named = named if named.exists() else _shipped(parent) or named
+    return _deep_merge(read_recipe_file(named, (*_chain, resolved)), data)
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -170,14 +173,20 @@ def shipped_recipes() -> dict[str, Path]:
     return {p.stem: p for p in sorted(RECIPES.glob("*.yaml"))}
 
 
+def _shipped(name: str | Path) -> Path | None:
+    """The shipped recipe a bare name, or recipes/NAME.yaml as the README spells it, means (None if none)."""
+    path = Path(name)
+    shipped = shipped_recipes().get(path.name.removesuffix(".yaml"))
+    return shipped if shipped is not None and path.parent in (Path("."), Path("recipes")) else None
+
+
 def find_recipe(name: str | Path) -> Path:
     """A recipe file: an existing path, else a shipped recipe named ``name`` (with or without .yaml)."""
     path = Path(name).expanduser()
     if path.exists():
         return path
-    # A bare name, or recipes/NAME.yaml as the README spells it, run outside a clone.
-    shipped = shipped_recipes().get(path.name.removesuffix(".yaml"))
-    if shipped is not None and path.parent in (Path("."), Path("recipes")):
+    shipped = _shipped(name)
+    if shipped is not None:
         return shipped
     if path.parent == Path(".") and not path.suffix:
         names = ", ".join(shipped_recipes())

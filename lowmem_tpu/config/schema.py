@@ -318,7 +318,9 @@ class HubSection(Section):
 class Recipe(Section):
     """A whole fine-tuning run: top-level keys plus one mapping per section."""
 
-    extends: str | None = Field(None, description="Recipe file this one extends (relative to this file).")
+    extends: str | None = Field(
+        None, description="Recipe file this one extends (relative to this file), else a shipped recipe by name."
+    )
     output_dir: str = Field("outputs/run", description="Where checkpoints and final/ are written.")
     model: ModelSection = Field(default_factory=ModelSection)
     lora: LoraSection = Field(default_factory=LoraSection)

@@ -135,6 +135,18 @@ def test_extends_is_relative_to_the_extending_file(tmp_path, monkeypatch):
     assert read_recipe_file("a/child.yaml") == {"train": {"max_steps": 3}}
 
 
+def test_extends_names_a_shipped_recipe_from_a_recipe_of_ones_own(tmp_path):
+    """A recipe outside the clone extends a shipped one by name; a file beside it of that name wins."""
+    mine = write(tmp_path / "mine.yaml", {"extends": "open_llama_lora.yaml", "lora": {"r": 4}})
+    recipe = load_recipe(mine)
+    assert recipe.lora.r == 4 and recipe.model.name_or_path == "openlm-research/open_llama_3b_v2"
+    write(tmp_path / "open_llama_lora.yaml", {"lora": {"alpha": 8}})
+    assert read_recipe_file(mine) == {"lora": {"alpha": 8, "r": 4}}
+    write(tmp_path / "other.yaml", {"extends": "no_such_recipe.yaml"})
+    with pytest.raises(RecipeError, match=r"extends: recipe file not found: .*no_such_recipe\.yaml"):
+        read_recipe_file(tmp_path / "other.yaml")
+
+
 def test_shipped_full_recipe_extends_the_lora_one():
     lora, full = load_recipe(ROOT / "recipes/open_llama_lora.yaml"), load_recipe(ROOT / "recipes/open_llama_full.yaml")
     assert not full.lora.enabled and lora.lora.enabled
