@@ -310,7 +310,8 @@ def small_plan_note(plan: Plan) -> str | None:
         )
     if not calibrated(plan.setting):
         return (
-            "the TPU layout is read off steps that recompute every layer in one micro-batch: here the compiler "
+            "the TPU layout is read off steps that recompute every layer in one micro-batch, or LoRA steps with "
+            "flash and no layer recomputed: here the compiler "
             f"keeps up to {UNCALIBRATED_MORE:.0%} more than planned (`lowmem-tpu tune`'s candidates); --compile "
             "gives the TPU compiler's own figure"
         )

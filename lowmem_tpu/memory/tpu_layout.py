@@ -16,6 +16,9 @@ v5e; ``benchmarks/tpu_planner_grid.py``, docs/memory.md), which differ from XLA:
 - a checkpointed decoder layer keeps ``KEPT_PER_LAYER`` hidden-sized tensors per token (the slope
   over the layers: Open Llama 3B, 2.0 under FSDP over 8 chips, 3.9 on one chip; Llama 2 70B's width
   in bf16, activations gathered, 3.3);
+- a layer that is not checkpointed keeps ``KEPT_HIDDEN`` and ``KEPT_INTERMEDIATE`` per token (more hidden-sized
+  ones when a micro-batch has several rows per chip), flash's query, keys, values and output at the padded head
+  (eager: part of its probabilities) and, for LoRA under FSDP across chips, a copy of its weights' shards;
 - the layer being recomputed holds its activations, its probabilities, the MLP's gradients in
   fp32 (two [tokens, intermediate] across chips, three on one) and, under FSDP over several
   chips, its gathered weights and the gathered head;
@@ -51,8 +54,15 @@ KEPT_PER_LAYER = {"weights gathered": 2.0, "activations gathered": 3.3, "one chi
 # peak across chips, three on one (the buffers live at the compiler's peak, 8 chips and 1).
 RECOMPUTED_HIDDEN, RECOMPUTED_INTERMEDIATE = 9, 1
 MLP_GRADIENTS_FP32 = {"sharded": 2, "one chip": 3}
-# A layer that is not checkpointed keeps these per token (mini, 4 layers, the compiler's buffers).
-KEPT_HIDDEN, KEPT_INTERMEDIATE = 7.5, 3
+# A layer that is not checkpointed keeps these per token beside its attention's (``attention_kept``) and, under
+# FSDP, its weights' copy (``weight_copy``): hidden-sized and intermediate-sized tensors in the compute dtype,
+# and more hidden-sized ones where a micro-batch has several rows per chip (the compiler keeps what it
+# recomputes for one). Read off the slopes between 2 and 4 layers at real width (benchmarks/tpu_layer_slopes.py,
+# the ``none-*`` rows of benchmarks/results/tpu_layer_slopes.json): Open Llama 3B on v5e-1 at 1, 2 and 4 rows
+# (flash 19.1, 23.6, 23.6 hidden-sized per token; eager 22.4 and 27.2 at 1 and 2), on v5e-8 at 2 rows (flash
+# 26.4, eager 29.5), Llama 3.1 8B on v5e-8 at 1 and 2 rows (flash 28.6, 24.0; windowed einsums' outputs at 1).
+KEPT_HIDDEN, KEPT_INTERMEDIATE = 6, 3
+SEVERAL_ROWS_KEPT_HIDDEN = 4.5
 # Bytes per trained element held until the optimizer runs, beyond its gradient in the compute dtype:
 # an fp32 copy and part of the update (full fine-tuning with fp32 master weights and Adafactor: the
 # 4 -> 26 layer slope of Open Llama 3B on v5e-8 gives 6.9, the 7B on v5e-16 about 4; 5 is between).
@@ -83,16 +93,19 @@ class TpuTransients:
         return max(loss_phase, layer_phase + self.gradients) + self.gathered + self.dequantized
 
 
-# A step unlike those the layout is read off keeps more than planned: Open Llama 3B's LoRA step on v5e-8 with
-# no layer or one in 2 or 4 recomputed, or micro-batches accumulated, flash or eager, 1 to 4 rows per chip:
-# up to 81% more (every candidate of benchmarks/results/tune_open_llama_lora_v5e8.json, needed over planned).
+# A step unlike those the layout is read off keeps more than planned: up to 81% more (Open Llama 3B's LoRA step
+# on v5e-8 recomputing every layer over 2 micro-batches of 2 rows; the stored searches' other candidates, one
+# layer in 2 or 4 recomputed, eager, full fine-tuning: up to 25%; benchmarks/results/tune_*.json replanned).
 UNCALIBRATED_MORE = 0.81
 
 
 def calibrated(st: Setting) -> bool:
     """Whether the layout was read off steps like this one: every decoder layer recomputed, and (over several
-    chips) one micro-batch per step (one chip: the QLoRA recipes' 2 micro-batches are within 10%)."""
-    return st.checkpointing and st.checkpoint_every == 1 and (st.accumulation == 1 or st.devices == 1)
+    chips) one micro-batch per step (one chip: the QLoRA recipes' 2 micro-batches are within 10%); or a LoRA
+    step on a bf16 base with flash and no layer recomputed, any micro-batches (the ``none-flash`` slopes)."""
+    every_layer = st.checkpointing and st.checkpoint_every == 1 and (st.accumulation == 1 or st.devices == 1)
+    none = not st.checkpointing and st.lora and not quantized(st) and st.attention == "flash"
+    return bool(every_layer or none)
 
 
 def _spread(st: Setting) -> str:
@@ -126,10 +139,41 @@ def probabilities(s: Shape, st: Setting) -> int:
     return scores * st.length * DTYPE_BYTES[st.dtype]
 
 
+# Flash keeps what torch_xla's kernel saves for its backward pass: its query, keys and values in the kernel's
+# layout (the head padded to the 128 lanes, keys and values repeated for every query head) and its output
+# (``bf16[2, 32, 1024, 128]`` four times a layer among the buffers live at the peak, Open Llama 3B on v5e-8).
+# Eager attention keeps less than its bf16 probabilities beyond that: 3.3-3.6 hidden-sized per token more than
+# flash at Open Llama 3B's width (1 and 2 rows, v5e-1), where the probabilities are 10.2.
+FLASH_KEPT = 4
+EAGER_PROBABILITIES_KEPT = 0.7
+
+
+def attention_kept(s: Shape, st: Setting) -> int:
+    """What a layer's attention keeps for its backward pass: the kernel's inputs and output (flash), part of
+    the softmax's probabilities (eager), or (sdpa, chunked) the probabilities' buffers."""
+    if st.attention == "flash":
+        lanes = -(-s.head_dim // 128) * 128
+        return FLASH_KEPT * st.tokens * s.heads * lanes * DTYPE_BYTES[st.dtype]
+    if st.attention == "eager":
+        return int(EAGER_PROBABILITIES_KEPT * probabilities(s, st))
+    return probabilities(s, st)
+
+
+def weight_copy(s: Shape, st: Setting) -> int:
+    """Under FSDP across chips a LoRA layer that is not recomputed keeps a copy of its frozen weights' shards
+    from its forward pass to its backward pass (Open Llama 3B at 2 and 4 layers on v5e-8, flash and eager: each
+    projection's shard twice among the buffers live at the peak, once as the argument)."""
+    if _spread(st) == "one chip" or quantized(st) or not st.lora:
+        return 0
+    return sum(o * i for o, i in linears(s).values()) * DTYPE_BYTES[st.dtype] // st.devices
+
+
 def layer_kept(s: Shape, st: Setting) -> int:
     """What a layer that is not checkpointed keeps for its backward pass."""
     e = DTYPE_BYTES[st.dtype]
-    return int(st.tokens * (KEPT_HIDDEN * s.hidden + KEPT_INTERMEDIATE * s.intermediate) * e) + probabilities(s, st)
+    hidden = KEPT_HIDDEN + (SEVERAL_ROWS_KEPT_HIDDEN if st.live_sequences > 1 else 0)
+    activations = int(st.tokens * (hidden * s.hidden + KEPT_INTERMEDIATE * s.intermediate) * e)
+    return activations + attention_kept(s, st) + weight_copy(s, st)
 
 
 def kept(s: Shape, st: Setting, checkpointing: bool) -> int:

@@ -156,7 +156,7 @@ def slopes_table() -> str:
         shape = shape_of(require_config(recipe))
         setting = setting_of(recipe, DEVICES[row["device"]].devices)
         hidden = setting.tokens * shape.hidden * 2
-        kept_now = kept(shape, setting, True) / shape.layers / hidden
+        kept_now = kept(shape, setting, setting.checkpointing) / shape.layers / hidden
         quantized_now = dequantized(shape, setting) / shape.layers / hidden
         label = f"`{Path(row['recipe']).name}`" + "".join(f" `{o}`" for o in row["overrides"])
         per = row["per_layer_bytes"]
