@@ -18,7 +18,8 @@ v5e; ``benchmarks/tpu_planner_grid.py``, docs/memory.md), which differ from XLA:
   in bf16, activations gathered, 3.3);
 - a layer that is not checkpointed keeps ``KEPT_HIDDEN`` and ``KEPT_INTERMEDIATE`` per token (more hidden-sized
   ones when a micro-batch has several rows per chip), flash's query, keys, values and output at the padded head
-  (eager: part of its probabilities) and, for LoRA under FSDP across chips, a copy of its weights' shards;
+  (eager: part of its probabilities, and soft-capped scores' tanh) and, for LoRA under FSDP across chips, a
+  copy of its weights' shards;
 - the layer being recomputed holds its activations, its probabilities, the MLP's gradients in
   fp32 (two [tokens, intermediate] across chips, three on one) and, under FSDP over several
   chips, its gathered weights and the gathered head;
@@ -146,6 +147,10 @@ def probabilities(s: Shape, st: Setting) -> int:
 # flash at Open Llama 3B's width (1 and 2 rows, v5e-1), where the probabilities are 10.2.
 FLASH_KEPT = 4
 EAGER_PROBABILITIES_KEPT = 0.7
+# Soft-capped scores (Gemma 2: ``tanh(scores / cap) * cap`` before the softmax) keep the tanh's output for its
+# backward pass too: a second [heads, length, length] set per sequence (Gemma 2 9B at 2 and 4 layers on v5e-8,
+# 1 row, eager: two bf16[16, 1024, 1024] a layer among the buffers live at the peak).
+SOFT_CAPPED_SCORES_KEPT = 1.0
 
 
 def attention_kept(s: Shape, st: Setting) -> int:
@@ -155,7 +160,8 @@ def attention_kept(s: Shape, st: Setting) -> int:
         lanes = -(-s.head_dim // 128) * 128
         return FLASH_KEPT * st.tokens * s.heads * lanes * DTYPE_BYTES[st.dtype]
     if st.attention == "eager":
-        return int(EAGER_PROBABILITIES_KEPT * probabilities(s, st))
+        capped = SOFT_CAPPED_SCORES_KEPT if s.attention.softcap else 0
+        return int((EAGER_PROBABILITIES_KEPT + capped) * probabilities(s, st))
     return probabilities(s, st)
 
 
