@@ -238,10 +238,12 @@ def tuned_yaml(
     given: Sequence[str] = (),
 ) -> str:
     """The tuned recipe: ``extends`` the original, sets the overrides tune was ``given`` (every candidate was
-    compiled with them) and what changed, and says why in its header."""
-    parent = os.path.relpath(os.path.abspath(recipe_path), os.path.abspath(out.parent))
+    compiled with them), the target it was tuned for where the original names another, and what changed, and
+    says why in its header."""
     given = _portable(given)
-    changes = given + [
+    target = [f"runtime.target={device.name}"] if recipe.runtime.target != device.name else []
+    changes = given + target
+    changes += [
         o for o in chosen.candidate.overrides(device.devices) if o not in baseline.candidate.overrides(device.devices)
     ]
     lines = [
@@ -252,9 +254,21 @@ def tuned_yaml(
         f"#             {_figures(baseline)}",
         *([f"#   given:    {' '.join(given)}"] if given else []),
         "# Figures from the TPU compiler's program of the step, not a run; `lowmem-tpu memory THIS --compile`.",
-        f"extends: {parent}",
+        f"extends: {_parent(recipe_path, out)}",
     ]
     return "\n".join(lines + _nested(changes)) + "\n"
+
+
+def _parent(recipe_path: Path, out: Path) -> str:
+    """How the tuned recipe names the one it extends: a shipped recipe by its name (found wherever the package
+    is, unless a file of that name lies beside the tuned recipe), any other by its path relative to it."""
+    from lowmem_tpu.config import shipped_recipes
+
+    resolved = recipe_path.resolve()
+    shipped = shipped_recipes().get(resolved.stem)
+    if shipped is not None and shipped.resolve() == resolved and not (out.parent / resolved.name).exists():
+        return resolved.name
+    return os.path.relpath(resolved, out.parent.resolve())
 
 
 def _portable(given: Sequence[str]) -> list[str]:

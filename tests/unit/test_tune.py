@@ -63,7 +63,8 @@ def test_the_tuned_recipe_extends_the_original_and_sets_only_what_changed(tmp_pa
     out.parent.mkdir()
     text = tuned_yaml(RECIPE, out, recipe, device, chosen, baseline)
     data = yaml.safe_load(text)
-    assert (out.parent / data["extends"]).resolve() == RECIPE.resolve()
+    assert data["extends"] == "open_llama_lora.yaml"  # shipped: by name, found wherever the package is
+    assert "runtime" not in data  # tuned for the recipe's own target
     assert data["train"] == {"gradient_accumulation_steps": 2}  # 2 rows x 8 chips x 2 = 32: the batch is unchanged
     assert data["sharding"] == {"activation_checkpointing": "every_2"} and data["model"] == {
         "attn_implementation": "flash"
@@ -88,6 +89,25 @@ def test_the_tuned_recipe_keeps_the_overrides_tune_was_given(tmp_path):
     assert tuned.lora.dtype == "model" and tuned.data.max_length == 512
     assert tuned.model.attn_implementation == "flash"
     assert tuned.runtime.device == load_recipe(str(RECIPE)).runtime.device  # where tune compiled is not kept
+
+
+def test_a_recipe_tuned_for_another_target_names_it_and_a_recipe_of_ones_own_is_extended_by_its_path(tmp_path):
+    """``--target v5e-1`` for a v5e-8 recipe: its figures are for v5e-1, so is the recipe it writes; a recipe
+    that is not shipped is named by its path relative to the tuned one."""
+    mine = tmp_path / "mine" / "lora.yaml"
+    mine.parent.mkdir()
+    mine.write_text("extends: open_llama_lora.yaml\nlora:\n  r: 8\n")
+    recipe = load_recipe(str(mine), ["runtime.device=tpu"])
+    estimate = {"reported": True, "step_seconds": 0.8, "mfu": 0.4, "tokens_per_second_per_chip": 5000.0}
+    baseline = Tried(Candidate(32, 1, False, "flash", True), needed=2**33, fits=False, estimate=estimate)
+    chosen = Tried(Candidate(4, 8, False, "flash", True), needed=2**33, fits=True, estimate=estimate)
+    out = tmp_path / "tuned" / "lora_v5e1.yaml"
+    out.parent.mkdir()
+    out.write_text(tuned_yaml(mine, out, recipe, DEVICES["v5e-1"], chosen, baseline))
+    assert yaml.safe_load(out.read_text())["extends"] == "../mine/lora.yaml"
+    tuned = load_recipe(str(out))
+    assert tuned.runtime.target == "v5e-1" and tuned.lora.r == 8
+    assert tuned.train.global_batch_size == 32 and tuned.train.gradient_accumulation_steps == 8
 
 
 def test_knobs_held_stay_as_the_recipe_has_them():
