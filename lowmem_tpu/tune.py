@@ -238,8 +238,8 @@ def tuned_yaml(
     given: Sequence[str] = (),
 ) -> str:
     """The tuned recipe: ``extends`` the original, sets the overrides tune was ``given`` (every candidate was
-    compiled with them), the target it was tuned for where the original names another, and what changed, and
-    says why in its header."""
+    compiled with them), the target it was tuned for where the original names none or another, and what
+    changed, and says why in its header."""
     given = _portable(given)
     target = [f"runtime.target={device.name}"] if recipe.runtime.target != device.name else []
     changes = given + target
@@ -266,7 +266,8 @@ def _parent(recipe_path: Path, out: Path) -> str:
 
     resolved = recipe_path.resolve()
     shipped = shipped_recipes().get(resolved.stem)
-    if shipped is not None and shipped.resolve() == resolved and not (out.parent / resolved.name).exists():
+    beside = out.parent / resolved.name
+    if shipped is not None and shipped.resolve() == resolved and not beside.exists() and out.name != resolved.name:
         return resolved.name
     return os.path.relpath(resolved, out.parent.resolve())
 

@@ -26,7 +26,7 @@ def recipes(ctx: typer.Context) -> None:
         return
     from lowmem_tpu.config.features import text_config
     from lowmem_tpu.config.shipped import describe_shipped
-    from lowmem_tpu.memory.advise import gib, plan_recipe
+    from lowmem_tpu.memory.advise import gib, on_the_edge, plan_recipe
     from lowmem_tpu.model.loading import require_config
 
     by_family: dict[str, list[str]] = {}
@@ -39,6 +39,8 @@ def recipes(ctx: typer.Context) -> None:
             family = str(getattr(text_config(config), "model_type", family))
             plan = plan_recipe(loaded, device, config).plan
             memory = f"{gib(plan.needed)} of {gib(plan.capacity)} per device on {device}"
+            if on_the_edge(plan):
+                memory += " with its margin (on the edge: `memory --compile` gives the compiler's verdict)"
         except UserError as err:
             memory = f"not planned: {err}"
         entry = f"  {item.name}\n      {item.purpose}\n      target {item.target or 'none'}; planned {memory}"

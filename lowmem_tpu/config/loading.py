@@ -111,7 +111,8 @@ def read_recipe_file(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict[st
     if not isinstance(parent, str) or not parent:
         raise RecipeError([f"extends: must be a recipe file name, not {parent!r} (in {_show(path)})"])
     named = path.parent / Path(parent).expanduser()
-    named = named if named.exists() else _shipped(parent) or named
+    if not named.exists() or named.resolve() == resolved:  # my open_llama_lora.yaml extending the shipped one
+        named = _shipped(parent) or named
     return _deep_merge(read_recipe_file(named, (*_chain, resolved)), data)
 
 

@@ -262,9 +262,24 @@ def gib(n: float) -> str:
     return f"{n / GiB:.3g} GiB"
 
 
+# The TPU plan's band against the compiler where its layout is read off steps like the one planned
+# (tests/unit/test_memory_plan.py): a peak this close to the chip is the compiler's to judge.
+EDGE = 0.10
+
+
+def on_the_edge(plan: Plan) -> bool:
+    """A TPU plan that does not fit with its margin but whose peak is within the planner's band of the chip."""
+    return plan.layout == "tpu" and not plan.fits and plan.peak <= plan.capacity * (1 + EDGE)
+
+
 def _verdict(plan: Plan) -> str:
     room = plan.capacity - plan.needed
     state = f"fits ({gib(room)} free)" if room >= 0 else f"does not fit ({gib(-room)} short)"
+    if on_the_edge(plan):
+        state = (
+            f"on the edge: the peak, {gib(plan.peak)}, is within the planner's {EDGE:.0%} of the chip; "
+            "--compile gives the TPU compiler's verdict"
+        )
     return f"{gib(plan.needed)} of {gib(plan.capacity)}: {state}"
 
 
@@ -362,6 +377,7 @@ def plan_json(plan: Plan) -> dict[str, Any]:
         "total_parameters": plan.total_parameters,
         "bytes": {key: getattr(plan, key) for key in keys} | {"persistent": plan.persistent, "needed": plan.needed},
         "fits": plan.fits,
+        "on_the_edge": on_the_edge(plan),
     }
 
 

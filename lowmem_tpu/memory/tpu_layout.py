@@ -61,7 +61,8 @@ MLP_GRADIENTS_FP32 = {"sharded": 2, "one chip": 3}
 # recomputes for one). Read off the slopes between 2 and 4 layers at real width (benchmarks/tpu_layer_slopes.py,
 # the ``none-*`` rows of benchmarks/results/tpu_layer_slopes.json): Open Llama 3B on v5e-1 at 1, 2 and 4 rows
 # (flash 19.1, 23.6, 23.6 hidden-sized per token; eager 22.4 and 27.2 at 1 and 2), on v5e-8 at 2 rows (flash
-# 26.4, eager 29.5), Llama 3.1 8B on v5e-8 at 1 and 2 rows (flash 28.6, 24.0; windowed einsums' outputs at 1).
+# 26.4, eager 29.5), Llama 3.1 8B on v5e-8 at 1 and 2 rows (flash 28.6, 24.0: at 1 row 4.0 of it are windowed
+# einsums' outputs, and 2 rows keep no more, so its 2-row steps plan up to 17% over).
 KEPT_HIDDEN, KEPT_INTERMEDIATE = 6, 3
 SEVERAL_ROWS_KEPT_HIDDEN = 4.5
 # Bytes per trained element held until the optimizer runs, beyond its gradient in the compute dtype:
@@ -95,8 +96,9 @@ class TpuTransients:
 
 
 # A step unlike those the layout is read off keeps more than planned: up to 81% more (Open Llama 3B's LoRA step
-# on v5e-8 recomputing every layer over 2 micro-batches of 2 rows; the stored searches' other candidates, one
-# layer in 2 or 4 recomputed, eager, full fine-tuning: up to 25%; benchmarks/results/tune_*.json replanned).
+# on v5e-8 recomputing every layer over 2 micro-batches of 2 rows; benchmarks/results/tune_*.json replanned:
+# their other such candidates, one layer in 2 recomputed, or in 4 where cut at 4 and 8 layers, eager with
+# nothing recomputed, full fine-tuning, up to 25%; every_4 rows cut at 2 and 4 layers overstate the compiler).
 UNCALIBRATED_MORE = 0.81
 
 
@@ -143,13 +145,15 @@ def probabilities(s: Shape, st: Setting) -> int:
 # Flash keeps what torch_xla's kernel saves for its backward pass: its query, keys and values in the kernel's
 # layout (the head padded to the 128 lanes, keys and values repeated for every query head) and its output
 # (``bf16[2, 32, 1024, 128]`` four times a layer among the buffers live at the peak, Open Llama 3B on v5e-8).
-# Eager attention keeps less than its bf16 probabilities beyond that: 3.3-3.6 hidden-sized per token more than
-# flash at Open Llama 3B's width (1 and 2 rows, v5e-1), where the probabilities are 10.2.
+# Eager attention keeps 3.3-3.6 hidden-sized per token more than flash at Open Llama 3B's width (1 and 2 rows,
+# v5e-1): 0.83 of its bf16 probabilities (10.2). The planner counts 0.7: eager's layers then plan 5-6% under
+# the slopes, and the grid's 4-layer eager steps (benchmarks/results/tpu_planner_grid.json) stay within 10%.
 FLASH_KEPT = 4
 EAGER_PROBABILITIES_KEPT = 0.7
 # Soft-capped scores (Gemma 2: ``tanh(scores / cap) * cap`` before the softmax) keep the tanh's output for its
-# backward pass too: a second [heads, length, length] set per sequence (Gemma 2 9B at 2 and 4 layers on v5e-8,
-# 1 row, eager: two bf16[16, 1024, 1024] a layer among the buffers live at the peak).
+# backward pass too: one more [heads, length, length] set per sequence (Gemma 2 9B at 2 and 4 layers on v5e-8,
+# 1 row, eager: two bf16[16, 1024, 1024] a layer among the buffers live at the peak; the layer still plans 17%
+# under its slope, which also holds the windowed einsums' outputs of one row per chip).
 SOFT_CAPPED_SCORES_KEPT = 1.0
 
 

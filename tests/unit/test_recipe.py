@@ -142,6 +142,9 @@ def test_extends_names_a_shipped_recipe_from_a_recipe_of_ones_own(tmp_path):
     assert recipe.lora.r == 4 and recipe.model.name_or_path == "openlm-research/open_llama_3b_v2"
     write(tmp_path / "open_llama_lora.yaml", {"lora": {"alpha": 8}})
     assert read_recipe_file(mine) == {"lora": {"alpha": 8, "r": 4}}
+    (tmp_path / "own").mkdir()
+    own = write(tmp_path / "own" / "open_llama_lora.yaml", {"extends": "open_llama_lora.yaml", "lora": {"r": 2}})
+    assert load_recipe(own).lora.r == 2 and load_recipe(own).lora.alpha == 32  # its own name: the shipped one
     write(tmp_path / "other.yaml", {"extends": "no_such_recipe.yaml"})
     with pytest.raises(RecipeError, match=r"extends: recipe file not found: .*no_such_recipe\.yaml"):
         read_recipe_file(tmp_path / "other.yaml")

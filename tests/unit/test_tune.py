@@ -65,6 +65,9 @@ def test_the_tuned_recipe_extends_the_original_and_sets_only_what_changed(tmp_pa
     data = yaml.safe_load(text)
     assert data["extends"] == "open_llama_lora.yaml"  # shipped: by name, found wherever the package is
     assert "runtime" not in data  # tuned for the recipe's own target
+    same_name = tmp_path / "open_llama_lora.yaml"  # --out named as the shipped recipe: by its path, no cycle
+    named = yaml.safe_load(tuned_yaml(RECIPE, same_name, recipe, device, chosen, baseline))["extends"]
+    assert named != "open_llama_lora.yaml" and (tmp_path / named).resolve() == RECIPE.resolve()
     assert data["train"] == {"gradient_accumulation_steps": 2}  # 2 rows x 8 chips x 2 = 32: the batch is unchanged
     assert data["sharding"] == {"activation_checkpointing": "every_2"} and data["model"] == {
         "attn_implementation": "flash"
