@@ -23,10 +23,10 @@ v5e; ``benchmarks/tpu_planner_grid.py``, docs/memory.md), which differ from XLA:
 - the layer being recomputed holds its activations, its probabilities, the MLP's gradients in
   fp32 (two [tokens, intermediate] across chips, three on one) and, under FSDP over several
   chips, its gathered weights and the gathered head;
-- a quantized base under FSDP keeps more per layer than a bf16 base: with the weights gathered, the
-  outputs of its windowed einsums (``AllocateBuffer``, 6 hidden-sized per token and layer at the peak
-  for Open Llama 3B int4 on v5e-8, none for bf16), with the activations gathered its fp32 dequantized
-  shards; on one chip nothing more (``QUANTIZED_KEPT_PER_LAYER``);
+- an int8 base under FSDP keeps more per layer than a bf16 base: with the weights gathered, the outputs
+  of its windowed einsums (``AllocateBuffer``), with the activations gathered its fp32 dequantized shards;
+  an int4 base in ``model.nibbles``' layout nothing more with the weights gathered, and on one chip nothing
+  more than bf16 (``QUANTIZED_KEPT_PER_LAYER``);
 - full fine-tuning keeps every layer's gradient and more than an fp32 copy of it until the
   optimizer runs (the same 4 -> 26 layer slope).
 
@@ -219,20 +219,23 @@ def freed_before_recompute(s: Shape, st: Setting) -> int:
 
 
 # Hidden-sized tensors per token a quantized base keeps in every decoder layer beyond a bf16 base's
-# (libtpu 0.0.21, the slope between 2 and 4 layers, int4): with the weights gathered, Open Llama 3B on
-# v5e-8 at 4 x 1024 and 2 x 1024 tokens per chip (5.2 and 5.6: its windowed einsums' outputs); with
-# the activations gathered, Llama 2 70B's width at 1 x 512 (1.8: fp32 dequantized shards); on one chip
-# Open Llama 3B and 7B keep no more than in bf16 (3B at 4 x 1024: 127 MiB per layer, 125 planned).
-QUANTIZED_KEPT_PER_LAYER = {"weights gathered": 5.3, "activations gathered": 1.8, "one chip": 0.0}
+# (libtpu 0.0.21, the slope between 2 and 4 layers): int4 with the weights gathered none (``model.nibbles``'
+# layout: Open Llama 3B on v5e-8 at 4 x 1024 tokens per chip, 1.87 hidden-sized a layer against bf16's 2.0,
+# the ``q3b`` row); int8 5.3, read off int4's earlier layout (its windowed einsums' outputs), which plans
+# int8's grid points within 10%; with the activations gathered, Llama 2 70B's width at 1 x 512 (1.8: fp32
+# dequantized shards, int4's earlier layout); on one chip Open Llama 3B in int4 keeps less than in bf16
+# (``q3b1``: 2.0 against 3.9), which a per-layer term does not take below bf16's: it plans high by that.
+QUANTIZED_KEPT_PER_LAYER = {
+    "int8": {"weights gathered": 5.3, "activations gathered": 1.8, "one chip": 0.0},
+    "int4": {"weights gathered": 0.0, "activations gathered": 1.8, "one chip": 0.0},
+}
 
 
 # On one chip an int4 base's nibbles are unpacked and scaled in fp32, a projection at a time: the step's
-# temporaries exceed a bf16 base's by 5.5 fp32 copies of the largest projection at Open Llama 3B's width
-# (4 layers, 4 x 1024 tokens: 575.6 MiB; three [8640, 3200] fp32 buffers live at the peak) and by 3.9 at
-# the 7B's (4 layers, 2 x 1024 tokens: 0.65 GiB), whatever the number of layers (the per-layer slope is
-# bf16's). int8 (one scale per row) shows none. These int4 terms were read off int4's earlier layout (adjacent
-# nibbles, unpacked along lanes); ``model.nibbles``' layout compiles to less, so they now plan int4 high.
-INT4_ONE_CHIP_FP32_COPIES = 4.5
+# temporaries exceed a bf16 base's by 1.9 fp32 copies of the largest projection at Open Llama 3B's width
+# (``model.nibbles``' layout, 4 layers, 4 x 1024 tokens: 203 MiB, benchmarks/results/tpu_planner_grid.json's
+# w3b points on v5e-1). int8 (one scale per row) shows none.
+INT4_ONE_CHIP_FP32_COPIES = 1.9
 
 
 # Across chips an int4 projection is gathered packed and dequantized whole on every chip while its layer runs
@@ -262,7 +265,7 @@ def dequantized(s: Shape, st: Setting) -> int:
         return int(NF4_ONE_CHIP_FP32_COPIES * largest * 4 if one_chip else NF4_GATHERED_BF16_COPIES * largest * 2)
     if one_chip:
         return int(INT4_ONE_CHIP_FP32_COPIES * largest * 4) if st.quantize == "int4" else 0
-    per = QUANTIZED_KEPT_PER_LAYER[_gathering(s, st)]
+    per = QUANTIZED_KEPT_PER_LAYER[st.quantize][_gathering(s, st)]
     return int(s.layers * per * st.tokens * s.hidden * DTYPE_BYTES[st.dtype] + GATHERED_FP32_COPIES * largest * 4)
 
 

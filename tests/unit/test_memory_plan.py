@@ -462,7 +462,7 @@ def test_quantization_is_suggested_to_lora_only_and_shown_in_the_report():
     # only the fp32 dequantization of a projection at a time: 4.5 fp32 copies of the 7B's largest one.
     assert "a quantized base's extra activations (every layer)" not in text
     assert "the int4 base's fp32 dequantization (one chip)" in text
-    assert quantized.plan.dequantized == int(4.5 * 11008 * 4096 * 4)
+    assert quantized.plan.dequantized == int(tpu_layout.INT4_ONE_CHIP_FP32_COPIES * 11008 * 4096 * 4)
     assert "lora.enabled=false model.quantize=none" in text
     assert memory_report.report_json(quantized)["recipe"]["setting"]["quantize"] == "int4"
 
