@@ -57,12 +57,12 @@ RECOMPUTED_HIDDEN, RECOMPUTED_INTERMEDIATE = 9, 1
 MLP_GRADIENTS_FP32 = {"sharded": 2, "one chip": 3}
 # A layer that is not checkpointed keeps these per token beside its attention's (``attention_kept``) and, under
 # FSDP, its weights' copy (``weight_copy``): hidden-sized and intermediate-sized tensors in the compute dtype,
-# and more hidden-sized ones where a micro-batch has several rows per chip (the compiler keeps what it
-# recomputes for one). Read off the slopes between 2 and 4 layers at real width (benchmarks/tpu_layer_slopes.py,
-# the ``none-*`` rows of benchmarks/results/tpu_layer_slopes.json): Open Llama 3B on v5e-1 at 1, 2 and 4 rows
-# (flash 19.1, 23.6, 23.6 hidden-sized per token; eager 22.4 and 27.2 at 1 and 2), on v5e-8 at 2 rows (flash
-# 26.4, eager 29.5), Llama 3.1 8B on v5e-8 at 1 and 2 rows (flash 28.6, 24.0: at 1 row 4.0 of it are windowed
-# einsums' outputs, and 2 rows keep no more, so its 2-row steps plan up to 17% over).
+# and more hidden-sized ones where a micro-batch has several rows per chip. Read off the slopes between 2 and 4
+# layers at real width (benchmarks/tpu_layer_slopes.py, the ``none-*`` rows of
+# benchmarks/results/tpu_layer_slopes.json): Open Llama 3B on v5e-1 at 1, 2 and 4 rows (flash 19.1, 23.6, 23.6
+# hidden-sized per token; eager 22.4 and 27.2 at 1 and 2), on v5e-8 at 2 rows (flash 26.4, eager 29.5), Llama
+# 3.1 8B on v5e-8 at 1 and 2 rows (flash 28.6, 24.0: at 1 row 4.0 of it are windowed einsums' outputs, and 2
+# rows keep no more, so its 2-row steps plan up to 17% over).
 KEPT_HIDDEN, KEPT_INTERMEDIATE = 6, 3
 SEVERAL_ROWS_KEPT_HIDDEN = 4.5
 # Bytes per trained element held until the optimizer runs, beyond its gradient in the compute dtype:
@@ -96,8 +96,8 @@ class TpuTransients:
 
 
 # A step unlike those the layout is read off keeps more than planned: up to 81% more (Open Llama 3B's LoRA step
-# on v5e-8 recomputing every layer over 2 micro-batches of 2 rows; benchmarks/results/tune_*.json replanned:
-# their other such candidates, one layer in 2 recomputed, or in 4 where cut at 4 and 8 layers, eager with
+# on v5e-8 recomputing every layer over 2 micro-batches of 2 rows; benchmarks/replan_searches.py: the searches'
+# other such candidates, one layer in 2 recomputed, or in 4 where cut at 4 and 8 layers, eager with
 # nothing recomputed, full fine-tuning, up to 25%; every_4 rows cut at 2 and 4 layers overstate the compiler).
 UNCALIBRATED_MORE = 0.81
 
