@@ -485,6 +485,17 @@ def test_the_tpu_plan_is_within_ten_percent_at_open_llama_3b_width_over_the_grid
     assert [(r["device"], r["point"], r["error"]) for r in wide if abs(r["error"]) > 0.10] == []
 
 
+def _shipped_plans():
+    """(recipe@target, the TPU compiler's record, the plan) for every shipped recipe compiled in
+    docs/tpu_compile.json but the tiny demos (their few MiB are the compiler's fixed costs and on-chip memory)."""
+    for key, record in json.loads((ROOT / "docs/tpu_compile.json").read_text()).items():
+        name, device = key.split("@")
+        if name.startswith("tiny") or not record.get("needed"):
+            continue
+        recipe = load_recipe(ROOT / f"recipes/{name}.yaml", ["runtime.device=tpu"])
+        yield key, record, memory_report.plan_recipe(recipe, device, require_config(recipe))
+
+
 def test_the_tpu_plan_is_within_ten_percent_of_the_tpu_compiler_on_the_shipped_recipes():
     """docs/tpu_compile.json holds the TPU compiler's figure for every shipped recipe it could compile here
     (``make tpu-compile-check`` keeps it current); the planner's TPU layout must stay within 10% of each at
@@ -495,14 +506,8 @@ def test_the_tpu_plan_is_within_ten_percent_of_the_tpu_compiler_on_the_shipped_r
     family and DPO recipes are compiled at 2 and 4 layers and extrapolated. Phi's steps
     (fused projections) are over-planned, not yet calibrated: within 25%, above the compiler; so are the QLoRA
     recipes' several rows in one program (within 30%, above)."""
-    recorded = json.loads((ROOT / "docs/tpu_compile.json").read_text())
     checked, extrapolated, uncalibrated = [], [], []
-    for key, record in recorded.items():
-        name, device = key.split("@")
-        if name.startswith("tiny") or not record.get("needed"):
-            continue
-        recipe = load_recipe(ROOT / f"recipes/{name}.yaml", ["runtime.device=tpu"])
-        report = memory_report.plan_recipe(recipe, device, require_config(recipe))
+    for key, record, report in _shipped_plans():
         error = (report.plan.peak - record["needed"]) / record["needed"]
         if not tpu_layout.calibrated(report.plan.setting):  # tuned: fewer layers recomputed, said in the plan
             uncalibrated.append((key, record["needed"] / report.plan.peak - 1))
@@ -530,14 +535,10 @@ def test_the_tpu_plan_is_within_ten_percent_of_the_tpu_compiler_on_the_shipped_r
 def test_no_shipped_recipe_the_tpu_compiler_fits_is_planned_as_not_fitting():
     """A tuned recipe fills the chip by the compiler's figure; the plan adds its margin, so near the top it says
     "on the edge" (the peak within the planner's band of the chip) and names --compile, never "does not fit"."""
-    recorded = json.loads((ROOT / "docs/tpu_compile.json").read_text())
     edges = []
-    for key, record in recorded.items():
-        name, device = key.split("@")
-        if name.startswith("tiny") or not record.get("fits"):
+    for key, record, report in _shipped_plans():
+        if not record.get("fits"):
             continue
-        recipe = load_recipe(ROOT / f"recipes/{name}.yaml", ["runtime.device=tpu"])
-        report = memory_report.plan_recipe(recipe, device, require_config(recipe))
         assert report.plan.fits or memory_report.on_the_edge(report.plan), key
         if not report.plan.fits:
             edges.append(key)
