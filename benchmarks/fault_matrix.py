@@ -4,7 +4,7 @@
                                       [--json PATH] [--work DIR] [--keep]
     python benchmarks/fault_matrix.py --json benchmarks/results/fault_matrix.json   # the record docs/faults.md cites
 
-The runs and checks are ``lowmem_tpu.fault_matrix``'s (``tests/e2e/test_faults.py`` runs a subset of them).
+The runs and checks are ``tests/helpers/fault_matrix.py``'s (``tests/e2e/test_faults.py`` runs a subset of them).
 For each mode (LoRA; full fine-tuning with ``lora.enabled=false``) the tiny CPU recipe runs once
 uninterrupted (``lowmem-tpu sft recipes/tiny_lora_cpu.yaml`` with the overrides in ``RUN``: 6 steps, a
 checkpoint every 2, two kept, dropout on, two micro-batches per step). Then, for each case, the same command
@@ -25,9 +25,10 @@ import sys
 import time
 from pathlib import Path
 
-from lowmem_tpu.fault_matrix import CASES, MODES, QUICK, RECIPE, RUN, reference, run_case, summary, table
-
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "helpers"))  # the harness is test support
+
+from fault_matrix import CASES, MODES, QUICK, RECIPE, RUN, reference, run_case, summary, table  # noqa: E402
 
 
 def main() -> int:

@@ -41,7 +41,7 @@ def generate_answers(final: Path, cases: list[tuple[str, str]]) -> list[str]:
 
 
 def llama_cpp_answers(path: Path, tokenizer, cases: list[tuple[str, str]]) -> list[str]:
-    from lowmem_tpu.publish import llama_cpp
+    from lowmem_tpu.publish.gguf import llama_cpp
 
     model = llama_cpp.load(path, 64)  # as export's check loads it (plain CPU buffers: no AMX repacking)
     answers = []

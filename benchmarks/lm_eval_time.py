@@ -22,7 +22,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULT = ROOT / "benchmarks" / "results" / "lm_eval_time.json"
-CONFIG = ROOT / "lowmem_tpu" / "configs" / "openlm-research__open_llama_3b_v2.json"
+CONFIG = ROOT / "lowmem_tpu" / "model_configs" / "openlm-research__open_llama_3b_v2.json"
 
 
 def measure(dtype: str, limit: int) -> dict:

@@ -1,6 +1,6 @@
 """What each of PEFT's LoRA variants costs per chip, by the TPU compiler, on the 3B LoRA recipe.
 
-    python benchmarks/lora_variants.py [--recipe recipes/open_llama_lora.yaml] [--device v5e-8] [--table]
+    python benchmarks/lora_variants.py [--recipe recipes/open_llama_lora.yaml] [--target v5e-8] [--table]
 
 Each variant (``lora.*`` fields: LoRA, rsLoRA, DoRA, LoRA+, PiSSA) is traced with placeholders and compiled
 by libtpu at 2 and 4 decoder layers, extrapolated to the model's own count (``lowmem-tpu memory --compile``
@@ -70,7 +70,7 @@ def table(result: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--recipe", default="recipes/open_llama_lora.yaml")
-    parser.add_argument("--device", default="v5e-8")
+    parser.add_argument("--target", default="v5e-8")
     parser.add_argument("--table", action="store_true", help="print the recorded result's table")
     args = parser.parse_args()
     if args.table:
@@ -78,12 +78,12 @@ def main() -> None:
         return
     variants = {}
     for name, overrides in VARIANTS.items():
-        print(f"{name}: compiling at 2 and 4 layers for {args.device}...", file=sys.stderr, flush=True)
-        variants[name] = compile_variant(args.recipe, args.device, overrides)
+        print(f"{name}: compiling at 2 and 4 layers for {args.target}...", file=sys.stderr, flush=True)
+        variants[name] = compile_variant(args.recipe, args.target, overrides)
     result = {
         "command": "python benchmarks/lora_variants.py " + " ".join(sys.argv[1:]),
         "recipe": args.recipe,
-        "device": args.device,
+        "device": args.target,
         "layers": "2 and 4 layers compiled, extrapolated",
         "variants": variants,
     }

@@ -26,7 +26,7 @@ from pathlib import Path
 from lowmem_tpu.config import load_recipe
 from lowmem_tpu.measure.local import compile_step
 from lowmem_tpu.memory.advise import plan_recipe
-from lowmem_tpu.model.loading import require_config
+from lowmem_tpu.model.build import require_config
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -21,7 +21,7 @@ from lowmem_tpu.config import load_recipe
 from lowmem_tpu.measure.local import compile_step
 from lowmem_tpu.memory.plan import plan_setting
 from lowmem_tpu.memory.shape import setting_of, shape_of
-from lowmem_tpu.model.loading import require_config
+from lowmem_tpu.model.build import require_config
 
 ROOT = Path(__file__).resolve().parents[1]
 

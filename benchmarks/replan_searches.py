@@ -21,9 +21,9 @@ from pathlib import Path
 
 from lowmem_tpu.config import load_recipe, with_overrides
 from lowmem_tpu.config.devices import DEVICES
+from lowmem_tpu.measure.tune import Candidate
 from lowmem_tpu.memory.advise import plan_recipe
-from lowmem_tpu.model.loading import require_config
-from lowmem_tpu.tune import Candidate
+from lowmem_tpu.model.build import require_config
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"

@@ -28,7 +28,7 @@ from lowmem_tpu.measure.tpu_compile import buffer_assignment, compile_recipe, co
 from lowmem_tpu.measure.tpu_layers import cut
 from lowmem_tpu.memory.shape import setting_of, shape_of
 from lowmem_tpu.memory.tpu_layout import dequantized, kept
-from lowmem_tpu.model.loading import require_config
+from lowmem_tpu.model.build import require_config
 
 LAYERS = (2, 4)
 MIB = 2**20

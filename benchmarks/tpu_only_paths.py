@@ -27,10 +27,10 @@ from lowmem_tpu.config.devices import DEVICES
 from lowmem_tpu.errors import UserError
 from lowmem_tpu.measure.tpu_compile import compile_recipe
 from lowmem_tpu.memory.advise import plan_recipe
-from lowmem_tpu.model.loading import require_config
+from lowmem_tpu.model.build import require_config
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = ROOT / "lowmem_tpu" / "configs"
+CONFIGS = ROOT / "lowmem_tpu" / "model_configs"
 WIDTH = {"3b": "openlm-research__open_llama_3b_v2.json", "7b": "openlm-research__open_llama_7b_v2.json"}
 # Not a recipe field: libtpu's flag as a user would set it, undoing the one lowmem-tpu sets (xla/runtime.py).
 NOT_PARTITIONED = "LIBTPU_INIT_ARGS=--xla_tpu_spmd_rng_bit_generator_unsafe=false"

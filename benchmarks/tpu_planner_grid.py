@@ -30,7 +30,7 @@ from lowmem_tpu.config.devices import DEVICES
 from lowmem_tpu.errors import UserError
 from lowmem_tpu.measure.tpu_compile import compile_recipe
 from lowmem_tpu.memory.advise import plan_recipe
-from lowmem_tpu.model.loading import require_config
+from lowmem_tpu.model.build import require_config
 
 ROOT = Path(__file__).resolve().parents[1]
 # memory_levers.py's ``mini``: Open Llama 3B's proportions at 4 layers of hidden 400.
@@ -55,7 +55,7 @@ SHAPES = {
     "w3b": ["data.max_length=1024"],
 }
 BATCH = {("mini", 8): 32, ("mini", 1): 4, ("w3b", 8): 32, ("w3b", 1): 4}
-OPEN_LLAMA_3B = ROOT / "lowmem_tpu" / "configs" / "openlm-research__open_llama_3b_v2.json"
+OPEN_LLAMA_3B = ROOT / "lowmem_tpu" / "model_configs" / "openlm-research__open_llama_3b_v2.json"
 
 
 def configs(work: Path) -> dict[str, Path]:

@@ -34,7 +34,7 @@ def main() -> int:
     args = parser.parse_args()
 
     from lowmem_tpu.config import load_recipe
-    from lowmem_tpu.config.platform import on_tpu
+    from lowmem_tpu.machine import on_tpu
     from lowmem_tpu.xla.tpu import default_device
 
     if not on_tpu("auto"):

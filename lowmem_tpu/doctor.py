@@ -23,9 +23,9 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from lowmem_tpu.config.devices import GiB, device_for, host_memory, meminfo
-from lowmem_tpu.config.platform import tpu_present
+from lowmem_tpu.config.devices import GiB, device_for
 from lowmem_tpu.console import size
+from lowmem_tpu.machine import host_memory, meminfo, tpu_present
 
 CONSTRAINTS = Path(__file__).resolve().with_name("constraints.txt")  # shipped with the package, any install
 CORE = ("torch", "torch_xla", "transformers", "trl", "peft", "datasets", "accelerate", "protobuf", "sentencepiece")

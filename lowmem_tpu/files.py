@@ -176,3 +176,18 @@ def disk_full(err: BaseException) -> bool:
     import errno
 
     return getattr(err, "errno", None) == errno.ENOSPC or "No space left on device" in str(err)
+
+
+def check_room(directory: Path, needed: int, what: str) -> None:
+    """A UserError before writing ``what`` when the disk under ``directory`` has less than ``needed`` free."""
+    from lowmem_tpu.console import size
+
+    probe = directory
+    while not probe.exists():
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    if needed > free:
+        raise UserError(
+            f"{what} needs {size(needed)} on the disk of {directory}, which has {size(free)} free: free space "
+            "there, choose another output_dir, or lower train.keep_last (nothing written so far is lost)"
+        )

@@ -4,22 +4,20 @@ Whether a recipe is valid is ``config.validate``'s answer and never depends on t
 this machine can run it is asked here, by each command for what it does (``validate``, ``sft``,
 ``memory``, ``compare`` each pass their needs). Every check raises UserError naming the fix (the
 CLI's exit 2). Light to import: ``config`` and the basic modules; the platform probe is
-``config.platform``'s (no torch_xla: that stays in ``xla/``); the Hub token and the model's
+``machine``'s (no torch_xla: that stays in ``xla/``); the Hub token and the model's
 architecture are asked of ``publish.hub`` and ``model`` inside the function, only when needed.
 """
 
 from __future__ import annotations
 
-import importlib.metadata
 import importlib.util
-import shutil
 from pathlib import Path
 from typing import Literal
 
-from lowmem_tpu.config import Recipe
-from lowmem_tpu.config.checks import cpu_backend_problems, target_problem
-from lowmem_tpu.config.platform import platform_for
+from lowmem_tpu.config import Recipe, with_overrides
+from lowmem_tpu.config.checks import cpu_backend_problems, cpu_equivalents, target_problem
 from lowmem_tpu.errors import UserError
+from lowmem_tpu.machine import platform_for
 
 # The package each train.report_to integration needs (transformers' own callbacks import them).
 INTEGRATIONS = {
@@ -63,6 +61,8 @@ def preflight(
     if reporters:
         check_reporters(recipe.train.reporters)
     if scan:
+        from lowmem_tpu.xla.extras import require_scan_extra
+
         require_scan_extra(recipe.sharding.scan_layers, load=scan == "importable")
     if hub and recipe.hub.push:
         from lowmem_tpu.publish.hub import check_push_ready
@@ -74,30 +74,22 @@ def preflight(
 
         summary = check_model(recipe)
     if room:
+        from lowmem_tpu.files import check_room
+
         check_room(Path(recipe.output_dir), *room)
     return summary
 
 
-def require_scan_extra(scan_layers: bool = True, load: bool = True) -> None:
-    """Refuse ``sharding.scan_layers`` without the [scan] extra, before anything is built or traced.
-
-    torch_xla 2.9's scan keeps carries sharded alike through jax (``xb.call_jax`` needs jax and torchax).
-    Its wheel ships a ``torchax`` of its own, without package metadata, that imports flax: found, but it
-    does not import. ``make install-scan`` installs torchax itself, with metadata. ``load=False`` checks
-    the metadata only (the parent of a trace, which keeps torchax out of its process).
-    """
-    if not scan_layers:
-        return
-    try:
-        importlib.metadata.version("torchax")
-        if load:
-            import torchax  # noqa: F401  (imports jax)
-    except (importlib.metadata.PackageNotFoundError, ImportError) as err:
-        unlisted = isinstance(err, importlib.metadata.PackageNotFoundError)
-        found = "torchax is not installed as a package; torch_xla's bundled copy needs flax" if unlisted else err
-        raise UserError(
-            f"sharding.scan_layers: needs jax and torchax ({found}); install them with: make install-scan"
-        ) from None
+def as_run_here(recipe: Recipe) -> tuple[Recipe, list[str]]:
+    """The recipe as this machine runs it, and a line for each change: on the CPU backend (a rehearsal of a
+    TPU recipe) each TPU-only setting becomes its CPU equivalent (``config.checks.cpu_equivalents``)."""
+    if platform_for(recipe.runtime.device) != "CPU":
+        return recipe, []
+    swaps = cpu_equivalents(recipe)
+    if not swaps:
+        return recipe, []
+    notes = [f"on the CPU backend: {field}={value} ({why})" for field, value, why in swaps]
+    return with_overrides(recipe, [f"{field}={value}" for field, value, _ in swaps]), notes
 
 
 def check_reporters(reporters: list[str]) -> None:
@@ -112,19 +104,4 @@ def check_reporters(reporters: list[str]) -> None:
                 "(or drop it from train.report_to)"
                 for name, package, fix in missing
             ]
-        )
-
-
-def check_room(directory: Path, needed: int, what: str) -> None:
-    """A UserError before writing ``what`` when the disk under ``directory`` has less than ``needed`` free."""
-    from lowmem_tpu.console import size
-
-    probe = directory
-    while not probe.exists():
-        probe = probe.parent
-    free = shutil.disk_usage(probe).free
-    if needed > free:
-        raise UserError(
-            f"{what} needs {size(needed)} on the disk of {directory}, which has {size(free)} free: free space "
-            "there, choose another output_dir, or lower train.keep_last (nothing written so far is lost)"
         )

@@ -25,9 +25,9 @@ if TYPE_CHECKING:  # the types of a run's state, imported when the run builds it
 
     from lowmem_tpu.memory.plan import Plan
     from lowmem_tpu.model.names import ParamNames
+    from lowmem_tpu.train.dpo import XlaDPOTrainer
     from lowmem_tpu.train.guard import GuardCallback
     from lowmem_tpu.train.metrics import MetricsCallback
-    from lowmem_tpu.train.preference import XlaDPOTrainer
     from lowmem_tpu.train.trainer import XlaSFTTrainer
     from lowmem_tpu.xla.runtime import Runtime
 
@@ -83,9 +83,13 @@ def run_sft(recipe: Recipe, overwrite: bool = False, force_resume: bool = False)
     import contextlib
 
     from lowmem_tpu.files import holding
+    from lowmem_tpu.preflight import as_run_here
     from lowmem_tpu.xla.runtime import configure_environment, setup_runtime
 
     started = time.perf_counter()
+    recipe, rehearsal = as_run_here(recipe)  # a TPU recipe on the CPU backend: its CPU equivalents
+    for note in rehearsal:
+        say(note)
     configure_environment(recipe.runtime)  # before transformers imports torch_xla
     if recipe.runtime.quiet:
         from lowmem_tpu.console import quiet_python_warnings
@@ -240,9 +244,9 @@ def _build(recipe: Recipe, runtime, tokenizer, train_ds, eval_ds, micro: int, ou
     from lowmem_tpu.config import parse_duration
     from lowmem_tpu.config.schema import reference_precomputed
     from lowmem_tpu.memory.record import run_plan
+    from lowmem_tpu.train.dpo import build_preference_trainer
     from lowmem_tpu.train.guard import GuardCallback
     from lowmem_tpu.train.metrics import JsonlLog, MetricsCallback
-    from lowmem_tpu.train.preference import build_preference_trainer
     from lowmem_tpu.train.progress import ProgressCallback
     from lowmem_tpu.train.trainer import build_trainer
     from lowmem_tpu.xla.sharding import place_parameters
@@ -323,7 +327,7 @@ def _base_reference(recipe: Recipe, model, tokenizer, out: Path) -> str:
 
 def _evaluate(job: Job, prompts, label: str) -> dict[str, Any]:
     from lowmem_tpu.data.chat import ending
-    from lowmem_tpu.evaluate import greedy_exact_match
+    from lowmem_tpu.infer.exact_match import greedy_exact_match
     from lowmem_tpu.xla.runtime import sync
 
     trainer, recipe = job.trainer, job.trainer.recipe

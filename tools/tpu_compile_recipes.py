@@ -174,7 +174,7 @@ def _replanned(recipe: Recipe, device: str, recorded: dict) -> dict:
     if recorded.get("blocked") or not recorded.get("needed"):
         return {}
     from lowmem_tpu.memory.advise import plan_recipe
-    from lowmem_tpu.model.loading import require_config
+    from lowmem_tpu.model.build import require_config
 
     planned = plan_recipe(recipe, device, require_config(recipe)).plan.peak
     return {"planned_peak": planned, "plan_error": (planned - recorded["needed"]) / recorded["needed"]}

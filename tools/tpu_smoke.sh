@@ -52,7 +52,7 @@ PY
 }
 if [ -n "$tpu" ]; then
   step compile-only "$cli" memory recipes/tiny_lora_cpu.yaml runtime.target=null model.dtype=bfloat16 \
-    --compile --device "$tpu" --json
+    --compile --target "$tpu" --json
   compare_to_run "$out/compile-only.log" "$out/tiny-metrics.json" "$out/compile_vs_run.json"
   # flash at 1024 tokens: the tiny model with 1024 positions (its assets copied, the config widened).
   python3 - "$out/tiny-1024" <<'PY'
@@ -68,7 +68,7 @@ PY
     model.attn_implementation=flash data.max_length=1024 train.global_batch_size=16)
   step flash-1024 "$cli" sft "${flash[@]}" runtime.device=tpu train.max_steps=5 train.logging_steps=1 \
     train.eval_samples=0 "output_dir=$out/flash" --overwrite
-  step flash-compile-only "$cli" memory "${flash[@]}" --compile --device "$tpu" --json
+  step flash-compile-only "$cli" memory "${flash[@]}" --compile --target "$tpu" --json
   compare_to_run "$out/flash-compile-only.log" "$out/flash/final/metrics.json" "$out/flash_vs_run.json"
 fi
 for recipe in open_llama_lora open_llama_lora_v5e1 open_llama_7b_qlora; do

@@ -1,13 +1,13 @@
 """The ``lowmem-tpu`` command line: parse, load the recipe, call one library function.
 
-``common`` holds the typer app and what every command shares; each other module registers its
-commands on it, in the order ``--help`` lists them: ``train`` (validate, show, sft, plot, memory,
-compare), ``preview`` (data), ``use`` (generate, chat, eval), ``publish`` (export, merge, push) and
-``tools`` (recipes, doctor).
+``common`` holds the typer app and what every command shares; each other module registers the commands of
+one thing a user does, in the order ``--help`` lists them: ``train`` (sft, dpo, plot, doctor), ``recipe``
+(validate, show, data, recipes), ``plan`` (memory, compare, tune), ``use`` (generate, chat, eval) and
+``publish`` (export, merge, push).
 """
 
 # isort: off
-from lowmem_tpu.cli import train, preview, use, publish, tools  # noqa: F401  (registers the commands, in this order)
+from lowmem_tpu.cli import train, recipe, plan, use, publish  # noqa: F401  (registers the commands, in this order)
 from lowmem_tpu.cli.common import app
 
 # isort: on

@@ -41,7 +41,7 @@ def export(
     """Turn a training checkpoint into the adapter or model final/ would hold; or a finished run into GGUF files
     (--gguf) and check its adapter for vLLM (--vllm)."""
     if vllm and gguf is None:
-        from lowmem_tpu.publish.gguf_export import resolve_source
+        from lowmem_tpu.publish.gguf.export import resolve_source
         from lowmem_tpu.publish.vllm import vllm_problems, vllm_summary
 
         directory, kind = resolve_source(source)
@@ -52,7 +52,7 @@ def export(
             raise typer.Exit(2)
         return
     if gguf is not None:
-        from lowmem_tpu.publish.gguf_export import default_out, export_gguf, parse_types, summary
+        from lowmem_tpu.publish.gguf.export import default_out, export_gguf, parse_types, summary
         from lowmem_tpu.publish.vllm import vllm_summary
 
         types = parse_types(gguf)

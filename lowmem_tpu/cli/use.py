@@ -106,56 +106,65 @@ def chat(
         typer.echo(text)
 
 
+EvalDataOpt = Annotated[
+    str | None,
+    typer.Option("--data", help="A local .jsonl/.json/.csv/.parquet file or a Hub dataset id.", show_default=False),
+]
+EvalFormatOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--format",
+        help="text, alpaca, chat, prompt_completion, sharegpt or preference (default: the run's data.format).",
+        show_default=False,
+    ),
+]
+SplitOpt = Annotated[str | None, typer.Option("--split", help="Split of a Hub dataset.", show_default=False)]
+SamplesOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--samples", help="Prompts for greedy exact match (default: the run's train.eval_samples).", show_default=False
+    ),
+]
+TasksOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--tasks",
+        help="lm-evaluation-harness tasks, comma-separated: registry names, tasks in --include-path, or "
+        "builtin:reverse (the demo's, offline). Scores go into DIRECTORY/metrics.json.",
+        show_default=False,
+    ),
+]
+IncludeOpt = Annotated[
+    Path | None, typer.Option("--include-path", help="A folder of lm-eval task YAML files.", show_default=False)
+]
+LimitOpt = Annotated[
+    int | None, typer.Option("--limit", help="lm-eval: at most this many documents per task.", show_default=False)
+]
+FewshotOpt = Annotated[
+    int | None, typer.Option("--num-fewshot", help="lm-eval: few-shot examples per prompt.", show_default=False)
+]
+ChatTemplateOpt = Annotated[
+    bool | None,
+    typer.Option(
+        "--chat-template/--no-chat-template",
+        help="lm-eval: render prompts with the chat template (default: when the run trained on chat data).",
+        show_default=False,
+    ),
+]
+
+
 @app.command(name="eval")
 def eval_command(
     directory: TrainedArg,
-    data: Annotated[
-        str | None,
-        typer.Option("--data", help="A local .jsonl/.json/.csv/.parquet file or a Hub dataset id.", show_default=False),
-    ] = None,
-    fmt: Annotated[
-        str | None,
-        typer.Option(
-            "--format",
-            help="text, alpaca, chat, prompt_completion, sharegpt or preference (default: the run's data.format).",
-            show_default=False,
-        ),
-    ] = None,
-    split: Annotated[str | None, typer.Option("--split", help="Split of a Hub dataset.", show_default=False)] = None,
-    samples: Annotated[
-        int | None,
-        typer.Option(
-            "--samples",
-            help="Prompts for greedy exact match (default: the run's train.eval_samples).",
-            show_default=False,
-        ),
-    ] = None,
-    tasks: Annotated[
-        str | None,
-        typer.Option(
-            "--tasks",
-            help="lm-evaluation-harness tasks, comma-separated: registry names, tasks in --include-path, or "
-            "builtin:reverse (the demo's, offline). Scores go into DIRECTORY/metrics.json.",
-            show_default=False,
-        ),
-    ] = None,
-    include_path: Annotated[
-        Path | None, typer.Option("--include-path", help="A folder of lm-eval task YAML files.", show_default=False)
-    ] = None,
-    limit: Annotated[
-        int | None, typer.Option("--limit", help="lm-eval: at most this many documents per task.", show_default=False)
-    ] = None,
-    num_fewshot: Annotated[
-        int | None, typer.Option("--num-fewshot", help="lm-eval: few-shot examples per prompt.", show_default=False)
-    ] = None,
-    chat_template: Annotated[
-        bool | None,
-        typer.Option(
-            "--chat-template/--no-chat-template",
-            help="lm-eval: render prompts with the chat template (default: when the run trained on chat data).",
-            show_default=False,
-        ),
-    ] = None,
+    data: EvalDataOpt = None,
+    fmt: EvalFormatOpt = None,
+    split: SplitOpt = None,
+    samples: SamplesOpt = None,
+    tasks: TasksOpt = None,
+    include_path: IncludeOpt = None,
+    limit: LimitOpt = None,
+    num_fewshot: FewshotOpt = None,
+    chat_template: ChatTemplateOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of the summary.")] = False,
 ) -> None:
     """Held-out loss, perplexity, token accuracy and greedy exact match: the numbers sft prints, for any data

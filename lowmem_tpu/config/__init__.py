@@ -1,12 +1,16 @@
-"""The recipe as data: schema (its fields), checks (rules across fields), validate (the one entry: every
-problem at once), loading (YAML, ``extends``, overrides, shipped recipes), the TPU VM catalog (devices).
+"""The recipe as data: ``schema`` and ``model_fields`` (the fields, described; ``section``: their base and
+``RecipeError``), ``checks`` (rules across fields), ``validate`` (the one entry: every problem at once),
+``read`` (YAML, ``extends``, overrides), ``shipped`` (the shipped recipes by name), ``rules`` (a batch's split,
+durations), ``devices`` (the TPU VM catalog), ``features`` (what a model's config asks of attention and the
+loss) and ``assets`` (``builtin:`` files).
 
 Owns every recipe field and every user-facing word about one. A recipe's validity never depends on
 the machine (``lowmem_tpu.preflight`` asks what this one must have). Imports nothing of ours but
 ``errors``, and nothing heavy (no torch), so ``--help``, ``validate`` and ``show`` stay fast.
 """
 
-from lowmem_tpu.config.loading import (
+from lowmem_tpu.config.model_fields import LoraSection, ModelSection
+from lowmem_tpu.config.read import (
     apply_overrides,
     find_recipe,
     load_recipe,
@@ -15,7 +19,6 @@ from lowmem_tpu.config.loading import (
     with_fields,
     with_overrides,
 )
-from lowmem_tpu.config.model_fields import LoraSection, ModelSection
 from lowmem_tpu.config.rules import micro_batch_size, parse_duration
 from lowmem_tpu.config.schema import (
     DataSection,

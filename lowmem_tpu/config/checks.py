@@ -23,13 +23,29 @@ BATCH = ("train.global_batch_size", "train.gradient_accumulation_steps")
 def cross_problems(recipe: Any) -> list[Problem]:
     """Problems of a ``Recipe`` that involve several fields, each as (the dotted fields involved, message)."""
     problems: list[Problem] = []
-    t, model, data = recipe.train, recipe.model, recipe.data
+    t = recipe.train
     cpu = recipe.runtime.device == "cpu"  # on a TPU the device count is only known once torch_xla starts
     accumulation = batch_split_problem(t.global_batch_size, t.gradient_accumulation_steps)
     if accumulation:
         problems.append((BATCH, accumulation))
     if cpu and not accumulation and (split := _cpu_split(recipe)):
         problems.append(split)
+    problems += _model_problems(recipe)
+    if recipe.data.format == "preference":
+        problems += _preference_problems(recipe)
+    problems += _attention_problems(recipe)
+    problems += _sharding_problems(recipe.sharding)
+    if recipe.hub.push and not recipe.hub.repo_id:
+        problems.append((("hub.push", "hub.repo_id"), "hub.repo_id: required when hub.push is true (OWNER/NAME)"))
+    problems += _eval_problems(recipe)
+    problems += _data_problems(recipe.data)
+    return problems
+
+
+def _model_problems(recipe: Any) -> list[Problem]:
+    """The base model against LoRA, quantization and scanning."""
+    problems: list[Problem] = []
+    model, lora = recipe.model, recipe.lora
     if model.name_or_path.startswith(BUILTIN) and not model.random_init and not builtin_has_weights(model.name_or_path):
         message = f"must be true for {model.name_or_path}, which ships a config and tokenizer but no weights"
         if "name_or_path" not in model.model_fields_set:
@@ -42,15 +58,6 @@ def cross_problems(recipe: Any) -> list[Problem]:
             "set lora.enabled: true to train LoRA adapters on the quantized base (QLoRA), or model.quantize: none"
         )
         problems.append((("model.quantize", "lora.enabled"), message))
-    lora = recipe.lora
-    if data.format == "preference":
-        problems += _preference_problems(recipe)
-    if data.format == "preference" and data.packing:
-        message = (
-            "data.packing: preference pairs are not packed (each pair is two rows of data.max_length, chosen "
-            "and rejected, compared whole); set data.packing: false"
-        )
-        problems.append((("data.packing", "data.format"), message))
     if model.adapter and not lora.enabled:
         message = (
             "model.adapter: a LoRA adapter is trained further as LoRA, but lora.enabled is false; "
@@ -84,8 +91,13 @@ def cross_problems(recipe: Any) -> list[Problem]:
             "set sharding.scan_layers: false or model.quantize: none"
         )
         problems.append((("model.quantize", "sharding.scan_layers"), message))
-    if cpu and (flash := _flash_on_cpu(recipe)):
-        problems.append(flash)
+    return problems
+
+
+def _attention_problems(recipe: Any) -> list[Problem]:
+    """Attention and the loss against the sequence length, packing and scanning."""
+    problems: list[Problem] = []
+    t, model, data = recipe.train, recipe.model, recipe.data
     if model.attn_implementation == "flash" and not flash_tiles(data.max_length):
         below, above = flash_lengths_near(data.max_length)
         lengths = f"{below} or {above}" if below else str(above)
@@ -106,9 +118,13 @@ def cross_problems(recipe: Any) -> list[Problem]:
     if t.chunked_loss and t.fused_lm_head:
         message = "train.chunked_loss: true and train.fused_lm_head: true are two ways to skip the logits; pick one"
         problems.append((("train.chunked_loss", "train.fused_lm_head"), message))
-    problems += _sharding_problems(recipe.sharding)
-    if recipe.hub.push and not recipe.hub.repo_id:
-        problems.append((("hub.push", "hub.repo_id"), "hub.repo_id: required when hub.push is true (OWNER/NAME)"))
+    return problems
+
+
+def _eval_problems(recipe: Any) -> list[Problem]:
+    """Evaluation settings that need held-out data."""
+    problems: list[Problem] = []
+    t, data = recipe.train, recipe.data
     held_out = data.eval_path or data.eval_fraction
     if t.eval_samples and not held_out:
         message = "train.eval_samples: needs data.eval_path or data.eval_fraction (held-out prompts to score)"
@@ -116,7 +132,6 @@ def cross_problems(recipe: Any) -> list[Problem]:
     if t.eval_steps and not held_out:
         message = "train.eval_steps: needs data.eval_path or data.eval_fraction (without one nothing is evaluated)"
         problems.append((("train.eval_steps", "data.eval_path", "data.eval_fraction"), message))
-    problems += _data_problems(data)
     return problems
 
 
@@ -138,28 +153,31 @@ def flash_lengths_near(length: int) -> tuple[int | None, int]:
 
 
 def cpu_backend_problems(recipe: Any) -> list[Problem]:
-    """What the CPU backend cannot run of a recipe: its batch over ``runtime.num_cpu_devices``, flash attention.
+    """What the CPU backend cannot run of a recipe: its batch over ``runtime.num_cpu_devices``.
 
-    Recipe problems when ``runtime.device`` is cpu (:func:`cross_problems`); ``preflight`` asks them when
-    ``auto`` lands on the CPU of this machine.
+    A recipe problem when ``runtime.device`` is cpu (:func:`cross_problems`); ``preflight`` asks it when
+    ``auto`` lands on the CPU of this machine. TPU-only settings are not problems there: a rehearsal runs
+    their CPU equivalents (:func:`cpu_equivalents`).
     """
-    return [problem for problem in (_cpu_split(recipe), _flash_on_cpu(recipe)) if problem]
+    return [problem for problem in (_cpu_split(recipe),) if problem]
+
+
+def cpu_equivalents(recipe: Any) -> list[tuple[str, str, str]]:
+    """The recipe's TPU-only settings and what a rehearsal on the CPU backend runs instead, as
+    (dotted field, the CPU equivalent, why): the same computation, so the loss is the same."""
+    if recipe.model.attn_implementation == "flash":
+        why = (
+            "flash is torch_xla's Pallas TPU kernel, which the CPU backend cannot run; chunked computes the "
+            "same attention block by block"
+        )
+        return [("model.attn_implementation", "chunked", why)]
+    return []
 
 
 def _cpu_split(recipe: Any) -> Problem | None:
     t, devices = recipe.train, recipe.runtime.num_cpu_devices
     problem = batch_split_problem(t.global_batch_size, t.gradient_accumulation_steps, devices)
     return ((*BATCH, "runtime.num_cpu_devices", "runtime.device"), problem) if problem else None
-
-
-def _flash_on_cpu(recipe: Any) -> Problem | None:
-    if recipe.model.attn_implementation != "flash":
-        return None
-    message = (
-        "model.attn_implementation: flash is torch_xla's Pallas TPU kernel, which the CPU backend cannot run "
-        '("Only interpret mode is supported on CPU backend"); use chunked (the same memory saving, any backend)'
-    )
-    return ("model.attn_implementation", "runtime.device"), message
 
 
 def target_problem(recipe: Any) -> str | None:
@@ -183,15 +201,6 @@ def _sharding_problems(sharding: Any) -> list[Problem]:
             "sharding.scan_layers runs one compiled layer for all of them; use true or false with scan_layers"
         )
         problems.append((("sharding.activation_checkpointing", "sharding.scan_layers"), message))
-    if sharding.offload_activations:
-        message = (
-            "sharding.offload_activations: host offload around each checkpointed layer (torch_xla 2.9's "
-            "place_to_host/place_to_device) saves no HBM per the TPU compiler: open_llama_lora on v5e-8 needs "
-            "3.74 GiB per chip with it and without, open_llama_full 8.41 against 8.46 GiB (XLA keeps the device "
-            "copies live; docs/memory.md); use sharding.activation_checkpointing, model.attn_implementation: "
-            "flash or chunked, or model.quantize, and set sharding.offload_activations: false"
-        )
-        problems.append((("sharding.offload_activations",), message))
     return problems
 
 
@@ -216,6 +225,13 @@ def _data_problems(data: Any) -> list[Problem]:
 def _preference_problems(recipe: Any) -> list[Problem]:
     """A DPO recipe's settings that would give it a wrong reference or a loss TRL refuses."""
     problems: list[Problem] = []
+    data = recipe.data
+    if data.packing:
+        message = (
+            "data.packing: preference pairs are not packed (each pair is two rows of data.max_length, chosen "
+            "and rejected, compared whole); set data.packing: false"
+        )
+        problems.append((("data.packing", "data.format"), message))
     init = str(recipe.lora.init_lora_weights)
     if recipe.lora.enabled and not recipe.model.adapter and (init.startswith(("pissa", "olora")) or init == "False"):
         message = (

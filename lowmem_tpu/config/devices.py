@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 from lowmem_tpu.errors import UserError
 
@@ -132,12 +131,13 @@ DEVICES = {
 TARGETS = (*DEVICES, "cpu")
 
 
-def find_device(name: str, cpu_devices: int) -> Device:
-    """A known device by name; ``cpu`` is this machine's memory split over ``runtime.num_cpu_devices``."""
+def find_device(name: str, cpu_devices: int, host_ram: int) -> Device:
+    """A known device by name; ``cpu`` is ``host_ram`` (the caller reads the machine's: ``machine.host_memory``)
+    split over ``runtime.num_cpu_devices``."""
     if name == "cpu":
-        return Device("cpu", cpu_devices, host_memory() // cpu_devices, f"CPU backend: {cpu_devices} devices")
+        return Device("cpu", cpu_devices, host_ram // cpu_devices, f"CPU backend: {cpu_devices} devices")
     if name not in DEVICES:
-        raise UserError(f"--device: unknown device {name!r}; known devices: {', '.join(TARGETS)}")
+        raise UserError(f"--target: unknown device {name!r}; known devices: {', '.join(TARGETS)}")
     return DEVICES[name]
 
 
@@ -156,23 +156,3 @@ def generation_of(kind: str) -> Generation | None:
         if text in (g.name, g.kind.lower().removeprefix("tpu").strip()):
             return g
     return None
-
-
-def host_memory() -> int:
-    """This machine's RAM in bytes (/proc/meminfo; 16 GiB when it cannot be read)."""
-    try:
-        with open("/proc/meminfo") as f:
-            return int(f.readline().split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return 16 * GiB
-
-
-def meminfo(key: str) -> int:
-    """One /proc/meminfo figure in bytes, e.g. ``MemAvailable`` (0 when it cannot be read)."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith(f"{key}:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0

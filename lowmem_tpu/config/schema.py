@@ -72,8 +72,6 @@ class DataSection(Section):
         description="The format's fields read from other columns, {field: column}: e.g. databricks-dolly as "
         "alpaca: {instruction: instruction, input: context, output: response}.",
     )
-    text_field: str = Field("text", description="Column with the text (format text).")
-    messages_field: str = Field("messages", description="Column with the conversation (format chat).")
     mask_prompt: bool = Field(
         True, description="Train only on the answers: completions, outputs, assistant turns (not for text)."
     )
@@ -128,11 +126,6 @@ class ShardingSection(Section):
         description="true: recompute every decoder layer in backward (keeps each layer's input only, one more "
         "forward of each layer); every_K (every_2, every_3, ...): recompute one layer in K, the others keep their "
         "activations (K times less recompute, more memory); false: recompute nothing.",
-    )
-    offload_activations: bool = Field(
-        False,
-        description="Refused: host offload of the checkpointed layer inputs saves no HBM per the TPU compiler "
-        "(the same figure with and without on open_llama_lora for v5e-8; docs/memory.md).",
     )
     scan_layers: bool = Field(
         False,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import yaml
 
-from lowmem_tpu.config.loading import shipped_recipes
+from lowmem_tpu.config.read import shipped_recipes
 from lowmem_tpu.errors import UserError
 
 
@@ -39,7 +39,7 @@ def _chain(path: Path) -> list[Path]:
 
 def describe_shipped() -> list[ShippedRecipe]:
     """Every shipped recipe with the first line of its header comment and its target (through ``extends``)."""
-    from lowmem_tpu.config.loading import read_recipe_file
+    from lowmem_tpu.config.read import read_recipe_file
 
     out = []
     for name, path in shipped_recipes().items():

@@ -68,6 +68,15 @@ def _suggest(keys: tuple[str, ...]) -> str:
     return ".".join([*parent, close[0]]) if close else ""
 
 
+# Keys recipes once had, with what replaces them.
+REMOVED = {
+    "data.text_field": "name the column with data.columns: {text: COLUMN}",
+    "data.messages_field": "name the column with data.columns: {messages: COLUMN}",
+    "sharding.offload_activations": "host offload saved no HBM per the TPU compiler; remove it (docs/memory.md "
+    "lists the levers that do)",
+}
+
+
 def _got(value: Any) -> str:
     if isinstance(value, (dict, list, tuple)):
         return ""
@@ -85,6 +94,8 @@ def _describe(keys: tuple[str, ...], errors: list[tuple[tuple[Any, ...], dict[st
     path = ".".join(keys)
     first = errors[0][1]
     if first["type"] == "extra_forbidden":
+        if path in REMOVED:
+            return [f"{path}: no longer a recipe key: {REMOVED[path]}"]
         suggestion = _suggest(keys)
         hint = f"; did you mean {suggestion}?" if suggestion else ""
         valid = _section_fields(keys[:-1])

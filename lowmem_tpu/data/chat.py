@@ -15,7 +15,7 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
-from lowmem_tpu.data.loading import DataError
+from lowmem_tpu.data.sources import DataError
 
 PROBE = "lowmem-probe-reply"  # assistant content that no template writes on its own
 

@@ -1,7 +1,7 @@
 """Reading a record's fields: which column holds each field of the format, and what a valid value is.
 
-A format names its fields (``config.schema.FORMAT_FIELDS``); ``data.columns`` (and the older
-``data.text_field`` / ``data.messages_field``) say which column holds each. Every reader fails with a
+A format names its fields (``config.schema.FORMAT_FIELDS``); ``data.columns`` says which column holds each
+(by default the field's own name). Every reader fails with a
 ``DataError`` naming the record, the column and the fix; never a KeyError or a silent default.
 """
 
@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from lowmem_tpu.config import DataSection
 from lowmem_tpu.config.schema import FORMAT_FIELDS
-from lowmem_tpu.data.loading import DataError
+from lowmem_tpu.data.sources import DataError
 
 if TYPE_CHECKING:
     import datasets
@@ -36,9 +36,7 @@ FIX = "fix or remove that record"
 
 def column(cfg: DataSection, field: str) -> str:
     """The column that holds ``field`` of the recipe's format."""
-    if field in cfg.columns:
-        return cfg.columns[field]
-    return {"text": cfg.text_field, "messages": cfg.messages_field}.get(field, field)
+    return cfg.columns.get(field, field)
 
 
 def require_columns(records: datasets.Dataset, cfg: DataSection, source: str) -> None:

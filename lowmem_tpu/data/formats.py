@@ -16,7 +16,7 @@ import lowmem_tpu.data.fields as fields
 from lowmem_tpu.config import DataSection
 from lowmem_tpu.data.chat import assistant_turns, bos_ids, common_prefix, locate, render
 from lowmem_tpu.data.fields import CHAT_LIKE, require_columns
-from lowmem_tpu.data.loading import DataError
+from lowmem_tpu.data.sources import DataError
 
 if TYPE_CHECKING:
     import datasets

@@ -15,7 +15,7 @@ from typing import Any
 
 from lowmem_tpu.config import DataSection
 from lowmem_tpu.data.formats import IGNORE_INDEX, check_tokenizer, encode_records, require_columns
-from lowmem_tpu.data.preference import Pair, encode_pairs, truncated_pair
+from lowmem_tpu.data.pairs import Pair, encode_pairs, truncated_pair
 from lowmem_tpu.data.rows import build_dataset
 from lowmem_tpu.data.splits import select_records
 

@@ -28,8 +28,8 @@ from lowmem_tpu.data.formats import (
     prompt_answer_pairs,
     require_columns,
 )
-from lowmem_tpu.data.loading import DataError, length_percentiles
-from lowmem_tpu.data.preference import preference_prompts, preference_rows
+from lowmem_tpu.data.pairs import preference_prompts, preference_rows
+from lowmem_tpu.data.sources import DataError, length_percentiles
 from lowmem_tpu.data.splits import Role, select_records
 
 if TYPE_CHECKING:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Literal
 
 from lowmem_tpu.config import DataSection
-from lowmem_tpu.data.loading import DataError, load_records
+from lowmem_tpu.data.sources import DataError, load_records
 
 if TYPE_CHECKING:
     import datasets

@@ -8,7 +8,7 @@ from typing import Any
 from lowmem_tpu.config import DataSection
 from lowmem_tpu.config.assets import CHAT_TEMPLATES, chat_template_names
 from lowmem_tpu.data.chat import bos_ids
-from lowmem_tpu.data.loading import DataError
+from lowmem_tpu.data.sources import DataError
 
 
 def template_text(value: str) -> str:

@@ -1,12 +1,18 @@
-"""Decoding with static shapes: a fixed prompt bucket, a static KV cache, one token per step.
+"""Decoding with static shapes, two ways: a KV cache for one prompt, or a full buffer for a batch of them.
 
-The prompt is left-padded to a multiple of ``bucket`` tokens and run once (the prefill) into a
-``StaticCache`` of ``bucket + max_new_tokens`` positions; every later step feeds one token at the
-next cache position with the same full-length attention mask. Shapes never change within a
-bucket, so XLA compiles two graphs per bucket (prefill, step) and reuses them for every prompt
-that falls in it. Greedy picks the argmax on the device (one integer comes back per step);
-sampling brings the last logits to the host and draws there with a seeded generator, so a seed
-gives the same text on the XLA devices and on plain CPU PyTorch.
+``Decoder`` (``generate``, ``chat``): the prompt is left-padded to a multiple of ``bucket`` tokens and run once (the
+prefill) into a ``StaticCache`` of ``bucket + max_new_tokens`` positions; every later step feeds one token at the
+next cache position with the same full-length attention mask. Shapes never change within a bucket, so XLA compiles
+two graphs per bucket (prefill, step) and reuses them for every prompt that falls in it. Greedy picks the argmax on
+the device (one integer comes back per step); sampling brings the last logits to the host and draws there with a
+seeded generator, so a seed gives the same text on the XLA devices and on plain CPU PyTorch.
+
+``greedy_rows`` (exact match, in ``sft`` and ``eval``): prompts are right-padded into a fixed ``[batch, length]``
+buffer; each step runs the whole buffer without a cache, reads the logits at every row's current end and writes
+the argmax one position further. Causal attention means the padding after a row's end never influences it, so
+no attention mask and no shape ever changes: one compiled graph for every token, and the training model works
+as it is, whatever its layout (FSDP-wrapped and checkpointed layers, scanned layers, flash attention), which a
+cache would not.
 """
 
 from __future__ import annotations
@@ -113,3 +119,33 @@ class Decoder:
                     "cache_position": torch.tensor([length + t]),
                 }
         return Generation(out, len(prompt), stopped, time.perf_counter() - started)
+
+
+def greedy_rows(
+    model: Any,
+    prompts: list[list[int]],
+    pad: int,
+    length: int,
+    max_new_tokens: int,
+    batch_size: int,
+    device: torch.device,
+    sync: Callable[[], None],
+) -> list[list[int]]:
+    """Greedy completions of up to ``batch_size`` prompts in one ``[batch_size, length]`` buffer (no cache)."""
+    # A prompt too long for the buffer loses its beginning, never its end (the generation prompt).
+    rows = [ids[-(length - max_new_tokens) :] for ids in prompts]
+    rows += [rows[0]] * (batch_size - len(rows))  # a full batch keeps the shape static
+    buffer = torch.full((batch_size, length), pad, dtype=torch.long)
+    for i, ids in enumerate(rows):
+        buffer[i, : len(ids)] = torch.tensor(ids)
+    ends = torch.tensor([len(ids) - 1 for ids in rows])
+    tokens, ends = buffer.to(device), ends.to(device)
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            logits = model(input_ids=tokens, use_cache=False).logits
+            last = logits.gather(1, ends.view(-1, 1, 1).expand(-1, 1, logits.size(-1))).squeeze(1)
+            ends = ends + 1
+            tokens = tokens.scatter(1, ends.view(-1, 1), last.argmax(-1).view(-1, 1))
+            sync()
+    host, host_ends = tokens.cpu(), ends.cpu()
+    return [host[i, len(ids) : int(host_ends[i]) + 1].tolist() for i, ids in enumerate(rows[: len(prompts)])]

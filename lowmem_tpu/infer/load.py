@@ -15,7 +15,7 @@ from typing import Any
 from lowmem_tpu.config import ModelSection
 from lowmem_tpu.errors import UserError
 from lowmem_tpu.files import check_whole, checkpoint_instead
-from lowmem_tpu.publish.base import adapter_tokenizer, choose_base, read_adapter_config, read_recipe_data
+from lowmem_tpu.publish.adapter_base import adapter_tokenizer, choose_base, read_adapter_config, read_recipe_data
 
 ADAPTER_CONFIG = "adapter_config.json"
 

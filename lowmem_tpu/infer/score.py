@@ -40,7 +40,7 @@ def evaluate_directory(
     from lowmem_tpu.console import say
     from lowmem_tpu.data.formats import require_columns
     from lowmem_tpu.infer.load import kind_of, load_trained
-    from lowmem_tpu.publish.base import read_recipe_data
+    from lowmem_tpu.publish.adapter_base import read_recipe_data
     from lowmem_tpu.xla import runtime as rt
 
     kind = kind_of(Path(directory))
@@ -85,8 +85,8 @@ def _check_preference(saved: dict[str, Any], kind: str, directory: Path, fmt: st
 
 def _score(recipe: Any, runtime: Any, trained: Any, rows: Any, prompts: list, micro: int) -> dict[str, Any]:
     from lowmem_tpu.data.chat import ending
-    from lowmem_tpu.evaluate import greedy_exact_match
-    from lowmem_tpu.train.preference import build_preference_trainer
+    from lowmem_tpu.infer.exact_match import greedy_exact_match
+    from lowmem_tpu.train.dpo import build_preference_trainer
     from lowmem_tpu.train.trainer import build_trainer
     from lowmem_tpu.xla.runtime import sync
     from lowmem_tpu.xla.sharding import place_parameters
@@ -99,7 +99,7 @@ def _score(recipe: Any, runtime: Any, trained: Any, rows: Any, prompts: list, mi
     build = build_preference_trainer if pairs else build_trainer
     trainer = build(recipe, runtime, model, rows, tokenizer, micro, [], eval_dataset=rows)
     if pairs and recipe.model.adapter:  # the reference: the adapter the run started from, not TRL's copy of this one
-        from lowmem_tpu.train.preference import load_reference
+        from lowmem_tpu.train.dpo import load_reference
 
         load_reference(trainer.policy, Path(recipe.model.adapter).expanduser())
     scores = trainer.evaluate()
@@ -136,7 +136,7 @@ def _reference_rows(recipe: Any, runtime: Any, rows: Any, tokenizer: Any, micro:
 
     from lowmem_tpu import model as m
     from lowmem_tpu.console import say
-    from lowmem_tpu.train.preference import build_preference_trainer
+    from lowmem_tpu.train.dpo import build_preference_trainer
     from lowmem_tpu.xla.sharding import place_parameters
 
     say(f"the reference: {recipe.model.name_or_path}, the model this full-parameter DPO run started from")

@@ -39,7 +39,7 @@ def build_sharded_model(recipe: Recipe, runtime: Any) -> Any:
     import torch
 
     from lowmem_tpu.model import apply_lora, load_config, meta_model
-    from lowmem_tpu.model.loading import require_config
+    from lowmem_tpu.model.build import require_config
     from lowmem_tpu.xla.sharding import place_parameters
 
     config = load_config(recipe.model, offline=True) or require_config(recipe)
@@ -99,7 +99,7 @@ def _host_peak_rss() -> int:
 
 def _trainer(recipe: Recipe, runtime: Any, model: Any, micro: int, callback: Any) -> Any:
     """The trainer ``lowmem-tpu sft`` (or ``dpo``) builds, on synthetic rows of the recipe's shape."""
-    from lowmem_tpu.train.preference import build_preference_trainer
+    from lowmem_tpu.train.dpo import build_preference_trainer
     from lowmem_tpu.train.trainer import build_trainer
 
     rows = recipe.train.global_batch_size * (recipe.train.max_steps + 1)
@@ -244,7 +244,7 @@ def _trace(recipe: Recipe, runtime: Any, micro: int, record: dict[str, Any], res
     from lowmem_tpu.xla.sharding import placeholder, placeholders_unmarked
 
     if recipe.model.attn_implementation == "flash":
-        from lowmem_tpu.xla.attention import install
+        from lowmem_tpu.xla.flash import install
         from lowmem_tpu.xla.pallas import lower_pallas_for_tpu
 
         lower_pallas_for_tpu()  # the kernel is TPU code in a trace that never runs

@@ -15,13 +15,13 @@ from typing import Any
 
 from lowmem_tpu.config import Recipe, with_overrides
 from lowmem_tpu.config.devices import DEVICES
-from lowmem_tpu.config.platform import on_tpu
 from lowmem_tpu.console import size
+from lowmem_tpu.machine import on_tpu
 from lowmem_tpu.measure import local
 from lowmem_tpu.memory.advise import plan_json
 from lowmem_tpu.memory.plan import Plan, plan_setting
 from lowmem_tpu.memory.shape import setting_of, shape_of
-from lowmem_tpu.model.loading import require_config
+from lowmem_tpu.model.build import require_config
 
 SEGMENTS = ("weights", "optimizer", "gradients", "step temporaries")
 COLORS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52")
@@ -77,12 +77,12 @@ def _measured(recipe: Recipe, steps: int, run: bool = True) -> dict[str, Any]:
 
 
 def measure_beside_plan(recipe: Recipe) -> dict[str, Any]:
-    """``lowmem-tpu memory --measure``: the compiler's per-device peak of the recipe's real step (the
-    TPU compiler on a TPU, else the CPU compiler on ``runtime.num_cpu_devices`` devices), beside the
-    plan for the same devices and layout, and the planner's error against it."""
+    """``lowmem-tpu memory --compile --target cpu``: the compiler's per-device peak of the recipe's real step
+    on the devices here (the CPU compiler on ``runtime.num_cpu_devices`` devices), beside the plan for the
+    same devices and layout, and the planner's error against it."""
     from lowmem_tpu.xla.runtime import refuse_on_a_slice
 
-    refuse_on_a_slice("lowmem-tpu memory --measure", recipe.runtime.device)
+    refuse_on_a_slice("lowmem-tpu memory --compile --target cpu", recipe.runtime.device)
     measured = _measured(recipe, steps=0, run=False)
     layout = "tpu" if on_tpu(recipe.runtime.device) else "cpu"
     setting = setting_of(recipe, measured["devices"])
@@ -106,7 +106,7 @@ def measure_beside_plan(recipe: Recipe) -> dict[str, Any]:
 
 
 def format_measurement(m: dict[str, Any]) -> str:
-    """The ``--measure`` lines of ``lowmem-tpu memory``."""
+    """The lines ``lowmem-tpu memory --compile --target cpu`` adds to the plan."""
     where = f"{m['platform']} compiler, {m['devices']} device{'s' if m['devices'] > 1 else ''}"
     if m["measured_peak_bytes"] is None:
         why = m["measured"].get("does_not_fit", {}).get("text") or m["source"]

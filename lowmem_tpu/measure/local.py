@@ -35,7 +35,7 @@ from lowmem_tpu.measure.buffers import CompilerFigures, OutOfMemory, dump_flags,
 # ----------------------------------------------------------------------------- shard sizes
 
 
-def shard_numel(shape: tuple[int, ...], spec: str) -> int:
+def numel_per_device(shape: tuple[int, ...], spec: str) -> int:
     """Elements one device holds of a tensor of ``shape`` with XLA sharding ``spec``.
 
     ``{devices=[4,1]0,1,2,3}`` splits dim 0 four ways; XLA pads uneven shards, hence the ceil.
@@ -60,7 +60,7 @@ def device_bytes(tensors: list[Any]) -> int:
         if id(t) in seen or t.device.type != "xla":
             continue
         seen.add(id(t))
-        total += shard_numel(tuple(t.shape), sharding_spec(t)) * t.element_size()
+        total += numel_per_device(tuple(t.shape), sharding_spec(t)) * t.element_size()
     return total
 
 

@@ -27,9 +27,10 @@ from pathlib import Path
 from typing import Any
 
 from lowmem_tpu.config import Recipe
-from lowmem_tpu.config.devices import DEVICES, Device, host_memory, meminfo
+from lowmem_tpu.config.devices import DEVICES, Device
 from lowmem_tpu.console import size
 from lowmem_tpu.errors import UserError
+from lowmem_tpu.machine import host_memory, meminfo
 from lowmem_tpu.measure.buffers import OutOfMemory, hbm_allocations, optimized_hlo, out_of_memory
 from lowmem_tpu.memory.tiles import tpu_shard_bytes
 
@@ -97,7 +98,7 @@ def compile_target(name: str) -> Device:
     device = DEVICES.get(name)
     if device is None or device.topology is None:
         why = f"unknown device {name!r}" if device is None else f"libtpu's compile-only client has no {name}"
-        raise UserError(f"--device: {why}; --compile knows {', '.join(known)}")
+        raise UserError(f"--target: {why}; --compile knows {', '.join(known)}")
     return device
 
 

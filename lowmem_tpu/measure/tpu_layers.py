@@ -152,7 +152,7 @@ def compile_or_extrapolate(
 
 
 def _config(recipe: Recipe) -> dict[str, Any]:
-    from lowmem_tpu.model.loading import require_config
+    from lowmem_tpu.model.build import require_config
 
     config = require_config(recipe)
     return config.to_dict() if hasattr(config, "to_dict") else dict(vars(config))

@@ -216,7 +216,7 @@ def compile_beside_plan(
     from lowmem_tpu.memory.plan import plan_setting
     from lowmem_tpu.memory.shape import shape_of
     from lowmem_tpu.model.architecture import flops_per_token
-    from lowmem_tpu.model.loading import require_config
+    from lowmem_tpu.model.build import require_config
 
     device = compile_target(device_name)
     config = require_config(recipe)

@@ -31,7 +31,7 @@ BEFORE = "*.before_optimizations.hlo.pb"
 def placeholder_model(recipe: Recipe, runtime: Any) -> tuple[Any, int]:
     """The recipe's model (quantized, LoRA applied) with every parameter a placeholder; buffers placed."""
     from lowmem_tpu.model import apply_lora, load_config, meta_model
-    from lowmem_tpu.model.loading import require_config
+    from lowmem_tpu.model.build import require_config
     from lowmem_tpu.xla.sharding import place_placeholders
 
     config = load_config(recipe.model, offline=True) or require_config(recipe)

@@ -4,6 +4,6 @@
 the CPU backend's layout, ``cpu_layout``, or the TPU compiler's, ``tpu_layout`` with ``tiles``),
 ``advise`` (the twin, what to turn on next, output), ``record`` (what a run writes about its memory).
 It imports ``config`` and nothing heavy at any depth: no torch, torch_xla, jax or transformers (the
-caller reads the model's config: ``model.loading.require_config``). What XLA measures of the real step
+caller reads the model's config: ``model.build.require_config``). What XLA measures of the real step
 is :mod:`lowmem_tpu.measure`'s.
 """

@@ -13,6 +13,7 @@ from lowmem_tpu.config import Recipe
 from lowmem_tpu.config.checks import flash_tiles
 from lowmem_tpu.config.devices import Device, GiB, find_device
 from lowmem_tpu.errors import UserError
+from lowmem_tpu.machine import host_memory
 from lowmem_tpu.memory.plan import Plan, plan_setting
 from lowmem_tpu.memory.shape import Setting, Shape, setting_of, shape_of
 from lowmem_tpu.memory.tpu_layout import UNCALIBRATED_MORE, calibrated
@@ -73,12 +74,6 @@ def _attention(st: Setting, s: Shape, layout: str) -> tuple[Setting, str, str] |
         return replace(st, attention="flash"), text, "model.attn_implementation=flash"
     text = "chunked attention (keys in blocks of 128: no [length, length] scores)"
     return replace(st, attention="chunked"), text, "model.attn_implementation=chunked"
-
-
-def _fused_head(st: Setting, s: Shape, layout: str) -> tuple[Setting, str, str] | None:
-    if st.fused_head or st.chunked_loss or st.preference:  # DPO always runs TRL's LM head
-        return None
-    return replace(st, fused_head=True), "TRL's chunked LM head (no full logits)", "train.fused_lm_head=true"
 
 
 def _adafactor(st: Setting, s: Shape, layout: str) -> tuple[Setting, str, str] | None:
@@ -190,7 +185,7 @@ class MemoryReport:
 def plan_recipe(recipe: Recipe, device: str, config: Any) -> MemoryReport:
     """Plan ``recipe`` on ``device`` (a name from :data:`DEVICES` or ``cpu``) for the model ``config``
     (``model.loading.require_config``: the caller reads it, so the planner imports no model code)."""
-    target = find_device(device, recipe.runtime.num_cpu_devices)
+    target = find_device(device, recipe.runtime.num_cpu_devices, host_memory())
     shape = shape_of(config)
     data = recipe.data
     refusal = shape.attention.refusal(recipe.model.attn_implementation, data.packing, data.max_length)

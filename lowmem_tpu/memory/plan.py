@@ -15,10 +15,9 @@ import math
 from dataclasses import dataclass, replace
 
 from lowmem_tpu.memory import tpu_layout
-from lowmem_tpu.memory.cpu_layout import (  # noqa: F401  (the planner's names, as before)
+from lowmem_tpu.memory.cpu_layout import (
     DTYPE_BYTES,
     activations,
-    attention_scores,
     backward_workspace,
     dequantized_bytes,
     dropout_masks,

@@ -11,6 +11,7 @@ from typing import Any
 from lowmem_tpu.config import Recipe
 from lowmem_tpu.config.devices import DEVICES, device_for, find_device, generation_of
 from lowmem_tpu.errors import UserError
+from lowmem_tpu.machine import host_memory
 from lowmem_tpu.memory.plan import Plan, plan_setting
 from lowmem_tpu.memory.shape import setting_of, shape_of
 
@@ -24,7 +25,7 @@ NOT_MEASURED_ON_CPU = (
 def capacity_for(recipe: Recipe, platform: str, kind: str, devices: int) -> int:
     """Memory per device of what the run found: the TPU's usable HBM, or this host's RAM split over the devices."""
     if platform != "TPU":
-        return find_device("cpu", devices).hbm_bytes
+        return find_device("cpu", devices, host_memory()).hbm_bytes
     generation = generation_of(kind)
     found = device_for(generation.name, devices) if generation else None
     target = found or DEVICES.get(recipe.runtime.target or "")

@@ -1,11 +1,14 @@
-"""The model: config and weights (``loading``), tokenizer, LoRA, a quantized base, architecture facts.
+"""The model: config and weights (``build``), ``tokenizer``, ``lora``, a quantized base (``quantize``; ``nf4``
+and ``nibbles`` for its 4-bit layouts), ``architecture`` (facts without weights), and the implementations a
+recipe switches on: ``attention`` (chunked), ``loss`` (chunked), ``rope`` (rotary by a matmul), ``ordering``
+(one block after another); ``names`` keeps clean parameter names.
 
 Imports ``config`` and ``errors`` only, never ``xla``: what lives here runs on the host. torch,
 transformers and peft are imported inside the functions that need them.
 """
 
 from lowmem_tpu.model.architecture import check_attention, check_model, count_parameters, flops_per_token, layer_class
-from lowmem_tpu.model.loading import (
+from lowmem_tpu.model.build import (
     build_base_model,
     load_config,
     meta_model,

@@ -9,7 +9,7 @@ from lowmem_tpu.config import Recipe
 from lowmem_tpu.config.features import attention_of, chunked_loss_refusal, text_config
 from lowmem_tpu.config.model_fields import LORA_TARGETS
 from lowmem_tpu.errors import UserError
-from lowmem_tpu.model.loading import load_config, meta_model
+from lowmem_tpu.model.build import load_config, meta_model
 
 
 def check_model(recipe: Recipe) -> str:

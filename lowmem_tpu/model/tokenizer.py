@@ -8,7 +8,7 @@ from typing import Any
 from lowmem_tpu.config import ModelSection
 from lowmem_tpu.config.features import text_config
 from lowmem_tpu.errors import UserError
-from lowmem_tpu.model.loading import resolve_source
+from lowmem_tpu.model.build import resolve_source
 
 
 def load_tokenizer(cfg: ModelSection) -> Any:

@@ -33,7 +33,7 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def _sources(directory: Path) -> dict[str, dict[str, Any]]:
-    from lowmem_tpu.publish.base import read_recipe_data
+    from lowmem_tpu.publish.adapter_base import read_recipe_data
     from lowmem_tpu.publish.merge import MERGE_REPORT
 
     return {

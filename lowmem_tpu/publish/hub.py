@@ -53,7 +53,7 @@ def directory_kind(directory: Path) -> str:
         raise UserError(f"{directory}: no such directory; give output_dir/final or a merged model directory")
     check_whole(directory)
     if (directory / ADAPTER_CONFIG).is_file() or (directory / ADAPTER_WEIGHTS).is_file():
-        from lowmem_tpu.publish.base import read_adapter_config
+        from lowmem_tpu.publish.adapter_base import read_adapter_config
 
         read_adapter_config(directory)  # both files there, and a LoRA config
         return "adapter"

@@ -27,7 +27,7 @@ from typing import Any
 
 from lowmem_tpu.errors import UserError
 from lowmem_tpu.files import fresh_partial, publish, write_json, write_manifest
-from lowmem_tpu.publish.base import (
+from lowmem_tpu.publish.adapter_base import (
     BaseChoice,
     adapter_tokenizer,
     check_adapter_tensors,

@@ -31,7 +31,7 @@ def vllm_problems(adapter_dir: Path) -> list[str]:
     """What vLLM's loader would refuse in ``adapter_dir`` (empty: it loads)."""
     from safetensors import safe_open
 
-    from lowmem_tpu.publish.base import read_adapter_config
+    from lowmem_tpu.publish.adapter_base import read_adapter_config
 
     config = read_adapter_config(adapter_dir)  # a directory that is no whole adapter is refused, saying why
     problems = []
@@ -72,7 +72,7 @@ def _key_problem(key: str) -> str | None:
 
 def max_lora_rank(adapter_dir: Path) -> int:
     """The smallest ``--max-lora-rank`` that serves this adapter."""
-    from lowmem_tpu.publish.base import read_adapter_config
+    from lowmem_tpu.publish.adapter_base import read_adapter_config
 
     config = read_adapter_config(adapter_dir)
     rank = max([config.get("r") or 0, *(config.get("rank_pattern") or {}).values()])
@@ -84,7 +84,7 @@ def vllm_summary(adapter_dir: Path) -> str:
     problems = vllm_problems(adapter_dir)
     if problems:
         return "vLLM would refuse the adapter " + str(adapter_dir) + ": " + "; ".join(problems)
-    from lowmem_tpu.publish.base import read_adapter_config, trained_quantization
+    from lowmem_tpu.publish.adapter_base import read_adapter_config, trained_quantization
 
     base = read_adapter_config(adapter_dir)["base_model_name_or_path"]
     run = adapter_dir.resolve()

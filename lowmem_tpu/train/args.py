@@ -26,7 +26,7 @@ def training_args(recipe: Recipe, micro_batch: int) -> SFTConfig:
 
 def preference_args(recipe: Recipe, micro_batch: int) -> DPOConfig:
     """DPOConfig for the XLA FSDPv2 path: TRL's loss with the recipe's ``preference`` section; the rows
-    come ready (``lowmem_tpu.data.preference``), so TRL's truncation never applies."""
+    come ready (``lowmem_tpu.data.pairs``), so TRL's truncation never applies."""
     p = recipe.preference
     return DPOConfig(
         **_shared(recipe, micro_batch),

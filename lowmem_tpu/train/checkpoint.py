@@ -28,8 +28,15 @@ import yaml
 
 from lowmem_tpu import faults, hosts
 from lowmem_tpu.errors import NonFiniteError, UserError
-from lowmem_tpu.files import damage, disk_full, fresh_partial, publish, write_json, write_manifest
-from lowmem_tpu.preflight import check_room  # the disk check, before each save too (trainer: ckpt.check_room)
+from lowmem_tpu.files import (
+    check_room,  # the disk check, before each save too (trainer: ckpt.check_room)
+    damage,
+    disk_full,
+    fresh_partial,
+    publish,
+    write_json,
+    write_manifest,
+)
 from lowmem_tpu.train.master import MASTERS, checkpoint_state, masters_of, restore_checkpoint_state
 
 COMPLETE = "COMPLETE"

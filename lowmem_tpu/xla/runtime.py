@@ -11,9 +11,9 @@ from typing import Any
 from lowmem_tpu import hosts
 from lowmem_tpu.config import RuntimeSection
 from lowmem_tpu.config.devices import DEVICES, generation_of
-from lowmem_tpu.config.platform import platform_for
 from lowmem_tpu.console import quiet_python_warnings
 from lowmem_tpu.errors import UserError
+from lowmem_tpu.machine import platform_for
 from lowmem_tpu.xla.device import device_kind, memory_monitor, peak_flops_per_device
 from lowmem_tpu.xla.tpu import HbmMonitor
 
@@ -113,7 +113,7 @@ def setup_runtime(cfg: RuntimeSection) -> Runtime:
     if platform == "TPU":
         _join_hosts(xr)
         _check_target(cfg.target, kind, num_devices)
-        from lowmem_tpu.xla.attention import install
+        from lowmem_tpu.xla.flash import install
 
         install()  # the Pallas kernel behind model.attn_implementation: flash
     return Runtime(platform, num_devices, device, mesh, cache_dir, kind, memory_monitor(platform))
@@ -151,7 +151,7 @@ def refuse_on_a_slice(command: str, device: str = "auto") -> None:
         raise UserError(
             f"{command} runs a program on this host's chips alone, which cannot start on one host of a "
             f"{count}-host pod slice (it would wait for the other hosts); run it on a single-host TPU VM, or "
-            "compile for the slice without running: lowmem-tpu memory RECIPE --compile --device <the slice>"
+            "compile for the slice without running: lowmem-tpu memory RECIPE --compile --target <the slice>"
         )
 
 
@@ -165,7 +165,7 @@ def _check_target(target: str | None, kind: str, num_devices: int) -> None:
         here = f"{num_devices} x {kind}"
         warnings.warn(
             f"runtime.target is {planned.name} ({planned.about}) but this TPU is {here}: the recipe's memory "
-            f"plan may not hold; check with: lowmem-tpu memory RECIPE --device <this TPU>",
+            f"plan may not hold; check with: lowmem-tpu memory RECIPE --target <this TPU>",
             stacklevel=3,
         )
 

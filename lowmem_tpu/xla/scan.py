@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from lowmem_tpu.errors import UserError
-from lowmem_tpu.preflight import require_scan_extra
+from lowmem_tpu.xla.extras import require_scan_extra
 
 
 class _Carry(nn.Module):

@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lowmem_tpu.config.devices import GENERATIONS, Generation, device_for
-from lowmem_tpu.config.platform import tpu_present
 from lowmem_tpu.errors import UserError
+from lowmem_tpu.machine import tpu_present
 
 if TYPE_CHECKING:
     from lowmem_tpu.config import Recipe
@@ -89,7 +89,7 @@ def _from_accelerator_type(text: str) -> Chips:
 
 
 def default_device(recipe: Recipe) -> str:
-    """What to plan for without ``--device``: the recipe's ``runtime.target``, else the TPU here, else ``cpu``."""
+    """What to plan for without ``--target``: the recipe's ``runtime.target``, else the TPU here, else ``cpu``."""
     if recipe.runtime.target:
         return recipe.runtime.target
     if recipe.runtime.device == "cpu" or not tpu_present():
@@ -97,7 +97,7 @@ def default_device(recipe: Recipe) -> str:
     chips = local_chips()
     found = device_for(chips.generation.name, chips.xla_devices) if chips.generation else None
     if found is None:
-        raise UserError("this TPU is not one the planner knows: name one with --device (or set runtime.target)")
+        raise UserError("this TPU is not one the planner knows: name one with --target (or set runtime.target)")
     return found.name
 
 

@@ -46,10 +46,10 @@ def _xla_step(
     from lowmem_tpu import data
     from lowmem_tpu import model as m
     from lowmem_tpu.config import load_recipe
-    from lowmem_tpu.data.preference import PAIR_COLUMNS, collate_pairs
+    from lowmem_tpu.data.pairs import PAIR_COLUMNS, collate_pairs
     from lowmem_tpu.model.names import ParamNames
     from lowmem_tpu.train.args import preference_args
-    from lowmem_tpu.train.preference import XlaDPOTrainer
+    from lowmem_tpu.train.dpo import XlaDPOTrainer
     from lowmem_tpu.xla.runtime import configure_environment, setup_runtime
     from lowmem_tpu.xla.sharding import place_parameters
 
@@ -221,7 +221,7 @@ def test_memory_measures_the_dpo_step_and_compare_sets_lora_beside_full_paramete
         line = [sys.executable, "-m", "lowmem_tpu.cli", command, "recipes/tiny_dpo_cpu.yaml", *args]
         return subprocess.run(line, capture_output=True, text=True, timeout=600)
 
-    measured = cli("memory", "--measure", "--device", "cpu")
+    measured = cli("memory", "--compile", "--target", "cpu")
     assert measured.returncode == 0, measured.stderr[-2000:]
     assert "the DPO step as one program compiled in" in measured.stdout
     compared = cli("compare", f"output_dir={tmp_path}")

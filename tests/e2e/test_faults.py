@@ -1,7 +1,7 @@
 """SIGKILL at the fault points (``lowmem_tpu.faults``) through the real CLI: the same command then finishes
 with the uninterrupted run's weights, bit for bit, and no kill leaves a directory that is misread.
 
-A representative subset of the fault matrix (``lowmem_tpu.fault_matrix``, whose every point, LoRA and full,
+A representative subset of the fault matrix (``tests/helpers/fault_matrix.py``, whose every point, LoRA and full,
 ``benchmarks/fault_matrix.py`` runs), with its settings and checks: one uninterrupted run per mode, then a LoRA
 run killed three times in a row (while tokenizing, inside its second save, with final/ written but not yet
 renamed) and a full run killed with its second checkpoint marked COMPLETE but not yet renamed.
@@ -12,9 +12,8 @@ from __future__ import annotations
 import signal
 from pathlib import Path
 
+import fault_matrix as matrix
 import pytest
-
-from lowmem_tpu import fault_matrix as matrix
 
 pytestmark = pytest.mark.slow
 

@@ -19,8 +19,8 @@ from families import make_family
 from tiny_models import make_adapter, make_base
 
 from lowmem_tpu.errors import UserError
-from lowmem_tpu.publish import llama_cpp
-from lowmem_tpu.publish.gguf_export import REPORT, export_gguf, summary
+from lowmem_tpu.publish.gguf import llama_cpp
+from lowmem_tpu.publish.gguf.export import REPORT, export_gguf, summary
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -11,15 +11,17 @@ from cli_runs import memory_cli as cli
 
 from lowmem_tpu.config import load_recipe
 from lowmem_tpu.memory import advise as memory_report
-from lowmem_tpu.model.loading import require_config
+from lowmem_tpu.model.build import require_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_memory_measure_compiles_the_real_step_beside_the_plan():
-    done = cli("memory", "recipes/tiny_lora_cpu.yaml", "train.chunked_loss=true", "--measure", "--json")
+def test_memory_compile_for_the_cpu_compiles_the_real_step_beside_the_plan():
+    done = cli(
+        "memory", "recipes/tiny_lora_cpu.yaml", "train.chunked_loss=true", "--compile", "--target", "cpu", "--json"
+    )
     assert done.returncode == 0, done.stderr[-2000:]
-    measured = json.loads(done.stdout)["measured_peak"]
+    measured = json.loads(done.stdout)["compiled"]
     assert measured["platform"] == "CPU" and measured["devices"] == 4 and measured["layout"] == "cpu"
     assert measured["measured_peak_bytes"] > measured["measured"]["state"]["weights"] > 0
     assert abs(measured["planner_error"]) < 0.15, measured

@@ -30,7 +30,7 @@ def compiled() -> dict[str, dict]:
     """The tiny recipe compiled for 8 chips and for 1, as ``--json`` reports it."""
     out = {}
     for device in ("v5e-8", "v5e-1"):
-        done = cli("memory", TINY, "--compile", "--device", device, "--json")
+        done = cli("memory", TINY, "--compile", "--target", device, "--json")
         assert done.returncode == 0, done.stderr[-3000:]
         out[device] = json.loads(done.stdout)
     return out
@@ -110,9 +110,9 @@ def test_accumulation_compiles_the_micro_batch_with_the_optimizer_state_beside_i
     from lowmem_tpu.memory.plan import parameters
     from lowmem_tpu.memory.shape import setting_of, shape_of
     from lowmem_tpu.memory.tiles import tpu_shard_bytes
-    from lowmem_tpu.model.loading import require_config
+    from lowmem_tpu.model.build import require_config
 
-    done = cli("memory", TINY, "train.gradient_accumulation_steps=2", "--compile", "--device", "v5e-8", "--json")
+    done = cli("memory", TINY, "train.gradient_accumulation_steps=2", "--compile", "--target", "v5e-8", "--json")
     assert done.returncode == 0, done.stderr[-3000:]
     r, whole = json.loads(done.stdout), compiled["v5e-8"]
     recipe = load_recipe(TINY)
@@ -148,18 +148,18 @@ def test_scan_layers_without_its_extra_is_one_line_before_anything_runs(monkeypa
     def absent(name):
         raise importlib.metadata.PackageNotFoundError(name)
 
-    from lowmem_tpu import preflight
+    from lowmem_tpu.xla import extras
 
     with monkeypatch.context() as patch:
-        patch.setattr(preflight.importlib.metadata, "version", absent)
+        patch.setattr(extras.importlib.metadata, "version", absent)
         with pytest.raises(UserError, match=r"not installed as a package.*make install-scan"):
-            preflight.require_scan_extra(load=False)
+            extras.require_scan_extra(load=False)
     try:
         importlib.metadata.version("torchax")
         pytest.skip("the [scan] extra is installed here: scan_layers traces")
     except importlib.metadata.PackageNotFoundError:
         pass
-    for flags in (["--compile", "--device", "v5e-8"], ["--measure"]):  # --measure: the child's error, said
+    for flags in (["--compile", "--target", "v5e-8"], ["--compile", "--target", "cpu"]):  # cpu: the child's error, said
         done = cli("memory", TINY, "sharding.scan_layers=true", *flags)
         assert done.returncode == 2 and "make install-scan" in done.stderr, done.stderr
         assert "Traceback" not in done.stderr, done.stderr
@@ -177,7 +177,7 @@ def test_full_fine_tuning_in_bf16_traces_with_its_fp32_master_weights():
     """Every base weight trained, its fp32 master a placeholder too. Tracing it found accelerate copying the
     optimizer's state dict through the host at prepare time (each master rebuilt replicated on every chip):
     the masters are kept out of that dict, and this trace fails if they come back into it."""
-    done = cli("memory", TINY, "lora.enabled=false", "model.dtype=bfloat16", "--compile", "--device", "v5e-4", "--json")
+    done = cli("memory", TINY, "lora.enabled=false", "model.dtype=bfloat16", "--compile", "--target", "v5e-4", "--json")
     assert done.returncode == 0, done.stderr[-3000:]
     r = json.loads(done.stdout)
     # 39 parameters (4 layers of 7 projections and 2 norms, embedding, norm, head), each a placeholder with its

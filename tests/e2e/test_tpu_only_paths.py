@@ -59,7 +59,7 @@ def test_flash_backward_traces_for_a_tpu_at_exactly_the_lengths_the_recipe_accep
 def flash_step() -> dict:
     """The tiny recipe in bf16 with flash at 128 tokens, compiled for Kaggle's v5e-8."""
     over = ["model.attn_implementation=flash", "data.max_length=128", "model.dtype=bfloat16"]
-    done = cli("memory", TINY, "--compile", "--device", "v5e-8", "--json", *over)
+    done = cli("memory", TINY, "--compile", "--target", "v5e-8", "--json", *over)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout)
 
@@ -77,7 +77,7 @@ def test_dropout_bits_are_partitioned_over_the_chips_by_the_libtpu_flag(monkeypa
     needed = {}
     for name, flags in (("partitioned", ""), ("whole", "--xla_tpu_spmd_rng_bit_generator_unsafe=false")):
         monkeypatch.setenv("LIBTPU_INIT_ARGS", flags)  # a user's own setting of the flag wins over ours
-        done = cli("memory", TINY, "--compile", "--device", "v5e-8", "--json", *over)
+        done = cli("memory", TINY, "--compile", "--target", "v5e-8", "--json", *over)
         assert done.returncode == 0, done.stderr[-3000:]
         needed[name] = json.loads(done.stdout)["temporaries"]
     assert needed["whole"] > needed["partitioned"] * 1.015, needed

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,27 +13,25 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[2] / "lowmem_tpu"
 MAX_LINES = 400
 
-# Which of our parts each part may import (besides ``errors``, ``files`` and ``console``, which import
-# nothing of ours). ``sft`` and ``cli`` compose everything.
+# Which of our parts each part may import (besides the basic modules, which import nothing of ours but
+# ``errors``, ``hosts`` and ``console``). ``sft`` and ``cli`` compose everything.
 MAY_IMPORT = {
     "config": {"config"},
     "model": {"config", "model"},
     "data": {"config", "data"},
-    "xla": {"config", "model", "xla", "preflight"},
-    "train": {"config", "model", "data", "xla", "train", "preflight"},
-    "evaluate": {"data"},
+    "xla": {"config", "model", "xla"},
+    "train": {"config", "model", "data", "xla", "train"},
     # The planner: arithmetic on the config and the recipe (the caller reads the model's config).
     "memory": {"config", "memory"},
     # The real step traced, compiled or run in subprocesses: it composes the parts that build it.
     "measure": {"config", "model", "data", "xla", "train", "preflight", "memory", "measure"},
     "publish": {"config", "model", "publish"},
     "doctor": {"config", "xla"},
-    "infer": {"config", "model", "data", "xla", "train", "publish", "evaluate", "infer"},
-    # What this machine must have before a command: config and the basics (the platform probe is
-    # config.platform's); the Hub token and the layer class are asked of publish and model, in the function.
-    "preflight": {"config", "model", "publish"},
+    "infer": {"config", "model", "data", "xla", "train", "publish", "infer"},
+    # What this machine must have before a command: asked by commands, never by the parts they run.
+    "preflight": {"config", "model", "publish", "xla"},
 }
-BASICS = {"errors", "files", "console", "hosts", "faults"}
+BASICS = {"errors", "files", "console", "hosts", "faults", "machine"}
 
 
 def modules() -> dict[str, Path]:
@@ -99,9 +98,10 @@ def test_each_part_imports_only_what_it_may():
     assert problems == []
 
 
-def test_basic_modules_import_nothing_of_ours_but_errors_and_hosts():
-    """``hosts`` (which host of a pod slice this is) is asked by the console before it prints."""
-    allowed = ("lowmem_tpu.errors", "lowmem_tpu.hosts")
+def test_basic_modules_import_nothing_of_ours_but_errors_hosts_and_console():
+    """``hosts`` (which host of a pod slice this is) is asked by the console before it prints; ``files`` formats
+    sizes with the console's ``size``."""
+    allowed = ("lowmem_tpu.errors", "lowmem_tpu.hosts", "lowmem_tpu.console")
     for basic in BASICS:
         ours = {m for m in imports(PACKAGE / f"{basic}.py") if m.startswith("lowmem_tpu")}
         ours -= {"lowmem_tpu"}  # "from lowmem_tpu import hosts"
@@ -194,10 +194,43 @@ for info in pkgutil.iter_modules(lowmem_tpu.memory.__path__, "lowmem_tpu.memory.
     assert imported == {name for name in modules() if part(name) == "memory" and name != "lowmem_tpu.memory"}
 
 
-def test_every_folder_says_what_it_owns():
-    for init in PACKAGE.glob("*/__init__.py"):
-        doc = ast.get_docstring(ast.parse(init.read_text()))
-        assert doc and len(doc) > 80, f"{init.parent.name}/__init__.py needs a docstring on what it owns"
+def _members(folder: Path) -> list[str]:
+    """The modules and sub-packages of one package folder, by name."""
+    files = [p.stem for p in folder.glob("*.py") if p.stem not in ("__init__", "__main__")]
+    return sorted(files + [p.name for p in folder.iterdir() if (p / "__init__.py").exists()])
+
+
+def _named(name: str, text: str) -> bool:
+    return re.search(rf"(?<![\w.]){re.escape(name)}(?![\w])", text) is not None
+
+
+def test_every_folder_says_what_it_owns_and_names_each_of_its_modules():
+    for init in sorted(PACKAGE.rglob("__init__.py")):
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        where = init.relative_to(PACKAGE.parent)
+        assert len(doc) > 80, f"{where} needs a docstring on what its folder owns"
+        missing = [name for name in _members(init.parent) if not _named(name, doc)]
+        assert missing == [], f"{where}: its docstring names no {', '.join(missing)}"
+
+
+def test_the_architecture_doc_names_every_module():
+    text = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    missing = [
+        name
+        for name in modules()
+        if name != "lowmem_tpu" and not name.endswith("__main__") and not _named(name.rsplit(".", 1)[-1], text)
+    ]
+    assert missing == []
+
+
+def test_no_function_is_over_80_lines():
+    long = {
+        f"{name}.{node.name}": node.end_lineno - node.lineno + 1
+        for name, path in modules().items()
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > 80
+    }
+    assert long == {}
 
 
 def test_only_the_hosts_module_knows_which_host_this_is():

@@ -59,7 +59,7 @@ def check_static(dataset, cfg: DataSection) -> None:
 
 def test_text_trains_every_token_and_ends_with_eos(tok, tmp_path):
     path = write_jsonl(tmp_path / "t.jsonl", [{"body": "hello"}, {"body": "ab"}])
-    cfg = DataSection(path=str(path), format="text", text_field="body", max_length=12)
+    cfg = DataSection(path=str(path), format="text", columns={"text": "body"}, max_length=12)
     dataset, stats = build_dataset(cfg, tok)
     check_static(dataset, cfg)
     row = dataset[0]

@@ -115,7 +115,7 @@ def test_a_target_that_matches_nothing_is_refused_by_validate(stand_ins):
 @pytest.mark.parametrize("name", ["gemma2", "gemma3", "mistral", "phi3"])
 def test_flash_is_refused_where_the_model_windows_or_caps_attention(stand_ins, name):
     from lowmem_tpu.memory.advise import plan_recipe
-    from lowmem_tpu.model.loading import require_config
+    from lowmem_tpu.model.build import require_config
 
     overrides = [f"model.name_or_path={stand_ins[name]}", "model.attn_implementation=flash", "runtime.target=v5e-8"]
     recipe = load_recipe(None, [*overrides, "runtime.device=tpu", "data.max_length=512"])
@@ -140,7 +140,7 @@ def test_the_advisor_offers_flash_only_where_it_computes_the_model(tmp_path, nam
     from families import family_config
 
     from lowmem_tpu.memory.advise import plan_recipe
-    from lowmem_tpu.model.loading import require_config
+    from lowmem_tpu.model.build import require_config
 
     hidden, intermediate, layers, vocab = REAL_SIZE[name]
     config = family_config(name) | {"hidden_size": hidden, "intermediate_size": intermediate}
@@ -175,7 +175,7 @@ def test_every_end_of_text_id_the_model_lists_is_kept(stand_ins):
 
 def test_the_planner_reads_gemmas_tied_head_and_phis_fused_projections(stand_ins):
     from lowmem_tpu.memory.shape import setting_of, shape_of
-    from lowmem_tpu.model.loading import require_config
+    from lowmem_tpu.model.build import require_config
 
     for name, tied in (("gemma2", True), ("gemma3_multimodal", True), ("mistral", False)):
         recipe = load_recipe(None, [f"model.name_or_path={stand_ins[name]}"])

@@ -14,10 +14,10 @@ from cli_runs import command_cli
 from safetensors.torch import save_file
 
 from lowmem_tpu.errors import UserError
-from lowmem_tpu.publish.gguf import _interleave_rotary_halves, hf_name, stored
-from lowmem_tpu.publish.gguf_export import default_out, parse_types, resolve_source
-from lowmem_tpu.publish.gguf_meta import _llama3_factors, family_of
-from lowmem_tpu.publish.gguf_vocab import GPT2_PRE, PRE_TOKENIZERS, SPACE, _pre_tokenizer, read_vocab
+from lowmem_tpu.publish.gguf.export import default_out, parse_types, resolve_source
+from lowmem_tpu.publish.gguf.metadata import _llama3_factors, family_of
+from lowmem_tpu.publish.gguf.vocab import GPT2_PRE, PRE_TOKENIZERS, SPACE, _pre_tokenizer, read_vocab
+from lowmem_tpu.publish.gguf.writer import _interleave_rotary_halves, hf_name, stored
 from lowmem_tpu.publish.vllm import max_lora_rank, vllm_problems
 
 TINY = Path(__file__).resolve().parents[2] / "lowmem_tpu" / "assets" / "tiny-llama"

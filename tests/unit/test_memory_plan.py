@@ -17,11 +17,11 @@ from lowmem_tpu.config import load_recipe
 from lowmem_tpu.config.model_fields import LORA_TARGETS
 from lowmem_tpu.errors import UserError
 from lowmem_tpu.measure.buffers import live_at_peak, parse_buffer_assignment
-from lowmem_tpu.measure.local import shard_numel
+from lowmem_tpu.measure.local import numel_per_device
 from lowmem_tpu.memory import advise as memory_report
+from lowmem_tpu.memory import cpu_layout, shape, tpu_layout
 from lowmem_tpu.memory import plan as memory
-from lowmem_tpu.memory import shape, tpu_layout
-from lowmem_tpu.model.loading import require_config
+from lowmem_tpu.model.build import require_config
 from lowmem_tpu.xla.tpu import default_device
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -101,37 +101,37 @@ def test_replicated_keeps_a_full_copy_per_device():
 
 def test_activations_with_and_without_checkpointing():
     st = BASE
-    layer = memory.layer_activations(SHAPE, st)
+    layer = cpu_layout.layer_activations(SHAPE, st)
     tokens = 2 * 32  # 8 sequences over 4 devices, 32 tokens each
     assert layer == tokens * (8 * 64 + 5 * 160) * 4 + 2 * 4 * 32 * 32 * 4
-    assert memory.activations(SHAPE, replace(st, checkpointing=False), "tpu") == 3 * layer
-    assert memory.activations(SHAPE, st, "tpu") == 4 * tokens * 64 * 4 + layer
+    assert cpu_layout.activations(SHAPE, replace(st, checkpointing=False), "tpu") == 3 * layer
+    assert cpu_layout.activations(SHAPE, st, "tpu") == 4 * tokens * 64 * 4 + layer
     p = plan()
     assert p.activations_checkpointed < p.activations_not_checkpointed
     assert p.activations == p.activations_checkpointed
     # LoRA on gate and up keeps two more intermediate-sized tensors per layer.
     lora = replace(st, lora=True)
-    assert memory.layer_activations(SHAPE, lora) - layer == tokens * 2 * 160 * 4
+    assert cpu_layout.layer_activations(SHAPE, lora) - layer == tokens * 2 * 160 * 4
 
 
 def test_logits_full_or_chunked():
-    full = memory.logits_bytes(SHAPE, BASE)
+    full = cpu_layout.logits_bytes(SHAPE, BASE)
     assert full == 3 * 64 * 100 * 4  # logits, their fp32 copy and gradient
-    chunked = memory.logits_bytes(SHAPE, replace(BASE, fused_head=True))
+    chunked = cpu_layout.logits_bytes(SHAPE, replace(BASE, fused_head=True))
     assert chunked == 3 * math.ceil(8 * 31 / 4) * 32768 * 4  # TRL pads the vocabulary to its 32768-wide tile
     llama, long = replace(SHAPE, vocab=32000), replace(BASE, length=2048, global_batch=32)
-    assert memory.logits_bytes(llama, replace(long, fused_head=True)) < memory.logits_bytes(llama, long) / 10
+    assert cpu_layout.logits_bytes(llama, replace(long, fused_head=True)) < cpu_layout.logits_bytes(llama, long) / 10
 
 
 def test_peak_is_persistent_state_plus_the_larger_phase():
     p = plan(layout="cpu")
-    backward = max(p.logits + p.workspace, memory.backward_workspace(SHAPE, BASE))
+    backward = max(p.logits + p.workspace, cpu_layout.backward_workspace(SHAPE, BASE))
     assert p.peak == p.weights + p.optimizer + max(p.activations + backward, p.gradient_phase)
     assert p.margin == p.peak // 10 + 256 * 2**20
     assert p.persistent == p.weights + p.gradients + p.optimizer
     # No reduce-scatter on the CPU backend: whole gradients at the end of backward.
     whole = sum(t.numel * 4 for t in memory.parameters(SHAPE, BASE)) + 100 * 64 * 4  # + the LM head twice
-    assert p.gradient_phase == whole + memory.layer_activations(SHAPE, BASE)
+    assert p.gradient_phase == whole + cpu_layout.layer_activations(SHAPE, BASE)
 
 
 def test_the_tpu_layout_is_the_tpu_compilers():
@@ -231,14 +231,14 @@ def test_accumulation_and_chunked_attention_lower_the_planned_activations():
     one = replace(BASE, global_batch=16)
     four = replace(one, accumulation=4)
     assert four.sequences * 4 == one.sequences and four.live_sequences == four.sequences
-    assert memory.activations(SHAPE, four, "tpu") < memory.activations(SHAPE, one, "tpu") / 3
+    assert cpu_layout.activations(SHAPE, four, "tpu") < cpu_layout.activations(SHAPE, one, "tpu") / 3
     # On the CPU compiler a micro-batch program ending at its gradients loses checkpointing (measured):
     # every layer's per-token activations, one layer's attention scores
-    off = memory.activations(SHAPE, replace(four, checkpointing=False), "cpu")
-    scores = memory.attention_scores(SHAPE, four)
-    assert memory.activations(SHAPE, four, "cpu") == off - (SHAPE.layers - 1) * scores
+    off = cpu_layout.activations(SHAPE, replace(four, checkpointing=False), "cpu")
+    scores = cpu_layout.attention_scores(SHAPE, four)
+    assert cpu_layout.activations(SHAPE, four, "cpu") == off - (SHAPE.layers - 1) * scores
     long = replace(BASE, length=1024)
-    eager, chunked = (memory.attention_scores(SHAPE, replace(long, attention=a)) for a in ("eager", "chunked"))
+    eager, chunked = (cpu_layout.attention_scores(SHAPE, replace(long, attention=a)) for a in ("eager", "chunked"))
     assert eager == long.live_sequences * SHAPE.heads * 1024 * 1024 * 4
     assert chunked < eager / 3  # one block of 128 keys at a time (scores and probabilities) + an fp32 output
 
@@ -253,7 +253,7 @@ def test_a_tpu_plan_carries_no_cpu_compiler_effect():
     kept = tpu_layout.kept(s, st, True)
     assert kept == int(26 * 3.9 * st.tokens * s.hidden * 2)  # 3.9 hidden-sized tensors per layer on one chip
     assert report.plan.activations == kept
-    assert memory.activations(s, st, "cpu") > 5 * kept  # the CPU layout keeps it: 26 layers' attention
+    assert cpu_layout.activations(s, st, "cpu") > 5 * kept  # the CPU layout keeps it: 26 layers' attention
     # The TPU compiler: 10.15 of 15.75 GiB (docs/tpu_compile.json); the plan keeps its margin on top.
     assert report.plan.fits and report.plan.capacity - report.plan.needed > 3 * GiB
 
@@ -312,7 +312,7 @@ def test_memory_json_and_the_suggestion_chain():
         "train.optimizer=adamw",
         "sharding.activation_checkpointing=false",
         "train.gradient_accumulation_steps=1",
-        "--device",
+        "--target",
         "v2-8",
         "--json",
     )
@@ -328,7 +328,7 @@ def test_memory_json_and_the_suggestion_chain():
 
 
 def test_unknown_device_lists_the_known_ones():
-    done = cli("memory", "recipes/tiny_lora_cpu.yaml", "--device", "v9-8")
+    done = cli("memory", "recipes/tiny_lora_cpu.yaml", "--target", "v9-8")
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert "unknown device 'v9-8'" in done.stderr and "v5e-1" in done.stderr and "cpu" in done.stderr
 
@@ -382,9 +382,9 @@ def test_buffer_assignment_and_shard_sizes_are_parsed(tmp_path):
         1234,
     )
     assert f.module == "module_0001.SyncTensorsGraph.9"
-    assert shard_numel((10, 7), "{devices=[4,1]0,1,2,3}") == 3 * 7
-    assert shard_numel((10, 7), "{replicated}") == 70 and shard_numel((10, 7), "") == 70
-    assert shard_numel((8, 6), "{devices=[2,1,2]0,1,2,3 last_tile_dim_replicate}") == 4 * 6
+    assert numel_per_device((10, 7), "{devices=[4,1]0,1,2,3}") == 3 * 7
+    assert numel_per_device((10, 7), "{replicated}") == 70 and numel_per_device((10, 7), "") == 70
+    assert numel_per_device((8, 6), "{devices=[2,1,2]0,1,2,3 last_tile_dim_replicate}") == 4 * 6
 
 
 # ----------------------------------------------------------------------------- a quantized base (QLoRA)
@@ -427,7 +427,7 @@ def test_dequantized_transient_is_one_projection():
     assert plan(few).dequantized == int(3 * 1.8 * 8 * 64 * 4 + gathered)
     assert plan(one).dequantized == 0  # one chip: no more than a bf16 base keeps (Open Llama 3B and 7B int4)
     p = plan(st, layout="cpu")
-    backward = max(p.logits + p.workspace, memory.backward_workspace(SHAPE, st))
+    backward = max(p.logits + p.workspace, cpu_layout.backward_workspace(SHAPE, st))
     assert p.peak == p.weights + p.optimizer + p.activations + backward + p.dequantized + p.gradients
 
 

@@ -13,7 +13,7 @@ from cli_runs import command_cli
 
 from lowmem_tpu.config import DataSection, ModelSection
 from lowmem_tpu.data import DataError, build_dataset, exact_match_prompts, set_chat_template
-from lowmem_tpu.data.preference import collate_pairs
+from lowmem_tpu.data.pairs import collate_pairs
 from lowmem_tpu.model import load_tokenizer
 
 USER = {"role": "user", "content": "reverse abc"}

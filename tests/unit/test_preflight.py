@@ -12,7 +12,8 @@ import pytest
 from lowmem_tpu import preflight as pf
 from lowmem_tpu.config import RecipeError, RuntimeSection, load_recipe, with_fields, with_overrides
 from lowmem_tpu.errors import UserError
-from lowmem_tpu.preflight import preflight
+from lowmem_tpu.preflight import as_run_here, preflight
+from lowmem_tpu.xla import extras
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "recipes" / "tiny_lora_cpu.yaml"
@@ -42,9 +43,17 @@ def test_the_platform_need_asks_the_cpu_backends_limits_where_auto_lands_on_the_
     on(monkeypatch, "CPU")
     with pytest.raises(UserError) as info:
         preflight(recipe, platform=True)
-    assert info.value.problems[0].startswith(SPLIT)
-    assert "flash is torch_xla's Pallas TPU kernel" in info.value.problems[1]
+    assert [problem[: len(SPLIT)] for problem in info.value.problems] == [SPLIT]
     assert preflight(recipe) is None  # nothing asked, nothing checked
+
+
+def test_a_tpu_only_setting_runs_its_cpu_equivalent_where_auto_lands_on_the_cpu(monkeypatch):
+    recipe = load_recipe(TINY, ["runtime.device=auto", *FLASH])
+    on(monkeypatch, "TPU")
+    assert as_run_here(recipe) == (recipe, [])
+    on(monkeypatch, "CPU")
+    here, notes = as_run_here(recipe)
+    assert here.model.attn_implementation == "chunked" and len(notes) == 1 and "flash" in notes[0]
 
 
 def test_the_target_need_asks_the_split_over_the_targets_chips():
@@ -59,7 +68,7 @@ def test_the_scan_need_names_the_extra(monkeypatch):
     def absent(name):
         raise importlib.metadata.PackageNotFoundError(name)
 
-    monkeypatch.setattr(pf.importlib.metadata, "version", absent)
+    monkeypatch.setattr(extras.importlib.metadata, "version", absent)
     with pytest.raises(UserError, match=r"sharding.scan_layers: needs jax and torchax.*make install-scan"):
         preflight(recipe, scan="installed")
     preflight(load_recipe(TINY), scan="importable")  # no scan_layers: nothing needed

@@ -53,18 +53,14 @@ def test_module_header_and_placeholder_sharding_rules():
 
 
 def test_bad_input_exits_2_with_the_fix(monkeypatch):
-    unknown = cli("memory", TINY, "--compile", "--device", "v9-8")
+    unknown = cli("memory", TINY, "--compile", "--target", "v9-8")
     assert unknown.returncode == 2 and "unknown device 'v9-8'" in unknown.stderr and "v5e-8" in unknown.stderr
-    no_target = cli("memory", TINY, "--compile")
-    assert no_target.returncode == 2 and "name one with --device" in no_target.stderr
-    legacy = cli("memory", TINY, "--compile", "--device", "v3-8")
+    legacy = cli("memory", TINY, "--compile", "--target", "v3-8")
     assert legacy.returncode == 2 and "no v3-8" in legacy.stderr
-    split = cli("memory", TINY, "train.global_batch_size=12", "--compile", "--device", "v5e-8")
+    split = cli("memory", TINY, "train.global_batch_size=12", "--compile", "--target", "v5e-8")
     assert split.returncode == 2 and "12" in split.stderr and "Traceback" not in split.stderr
     assert "tracing" not in split.stderr  # refused before the trace is announced
-    both = cli("memory", TINY, "--measure", "--compile", "--device", "v5e-8")
-    assert both.returncode == 2 and "one at a time" in both.stderr
-    flash = cli("memory", TINY, "model.attn_implementation=flash", "--compile", "--device", "v5e-8")  # 24 tokens
+    flash = cli("memory", TINY, "model.attn_implementation=flash", "--compile", "--target", "v5e-8")  # 24 tokens
     assert flash.returncode == 2 and "24 cannot be tiled" in flash.stderr and "Traceback" not in flash.stderr
     with pytest.raises(UserError, match=r"unknown device 'nope'"):
         compile_target("nope")

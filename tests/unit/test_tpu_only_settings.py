@@ -13,7 +13,7 @@ pytestmark = needs_compiler
 
 def test_flash_at_a_length_its_backward_cannot_tile_is_refused_before_anything_is_traced():
     flash = ["model.attn_implementation=flash", "data.max_length=768"]
-    done = cli("memory", TINY, "--compile", "--device", "v5e-8", *flash)
+    done = cli("memory", TINY, "--compile", "--target", "v5e-8", *flash)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert "768 cannot be tiled" in done.stderr and "512 or 1024" in done.stderr
 

@@ -8,7 +8,7 @@ import yaml
 
 from lowmem_tpu.config import load_recipe
 from lowmem_tpu.config.devices import DEVICES
-from lowmem_tpu.tune import Candidate, Tried, best, candidates, flash_allowed, tuned_yaml
+from lowmem_tpu.measure.tune import Candidate, Tried, best, candidates, flash_allowed, tuned_yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "recipes" / "open_llama_lora.yaml"

@@ -129,7 +129,7 @@ def test_packed_eager_rows_longer_than_the_window_would_lose_it(stand_ins, name)
 
 def test_memory_and_tune_refuse_packed_eager_rows_that_meet_the_window(stand_ins):
     from lowmem_tpu.memory.advise import plan_recipe
-    from lowmem_tpu.model.loading import require_config
+    from lowmem_tpu.model.build import require_config
 
     recipe = _recipe(stand_ins["mistral"], "data.packing=true", "model.attn_implementation=eager", "data.max_length=64")
     with pytest.raises(UserError, match=r"data.packing: .*sliding window"):
@@ -137,7 +137,7 @@ def test_memory_and_tune_refuse_packed_eager_rows_that_meet_the_window(stand_ins
 
 
 def test_the_flash_kernel_refuses_a_window_its_rows_meet_or_a_soft_cap():
-    from lowmem_tpu.xla.attention import flash_attention_forward
+    from lowmem_tpu.xla.flash import flash_attention_forward
 
     q = torch.zeros(1, 2, 8, 4)
     with pytest.raises(RuntimeError, match="no window"):

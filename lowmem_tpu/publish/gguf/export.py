@@ -18,10 +18,10 @@ from typing import Any
 
 from lowmem_tpu.errors import UserError
 from lowmem_tpu.files import checkpoint_instead, fresh_partial, holding_output, publish, write_json, write_manifest
-from lowmem_tpu.publish import llama_cpp
-from lowmem_tpu.publish.gguf import TYPES
-from lowmem_tpu.publish.gguf_check import check_file, failure
-from lowmem_tpu.publish.gguf_meta import check_describable
+from lowmem_tpu.publish.gguf import llama_cpp
+from lowmem_tpu.publish.gguf.check import check_file, failure
+from lowmem_tpu.publish.gguf.metadata import check_describable
+from lowmem_tpu.publish.gguf.writer import TYPES
 from lowmem_tpu.publish.verify import logits, prompt_ids
 
 REPORT = "gguf.json"
@@ -57,7 +57,7 @@ def resolve_source(source: Path) -> tuple[Path, str]:
 
 
 def _is_model(directory: Path) -> bool:
-    from lowmem_tpu.model.loading import weight_files
+    from lowmem_tpu.model.build import weight_files
 
     return (directory / "config.json").is_file() and bool(weight_files(directory))
 
@@ -101,7 +101,7 @@ def _model_config(directory: Path, kind: str) -> Any:
 
     if kind == "model":
         return AutoConfig.from_pretrained(directory)
-    from lowmem_tpu.publish.base import choose_base, load_base_config, read_adapter_config
+    from lowmem_tpu.publish.adapter_base import choose_base, load_base_config, read_adapter_config
 
     return load_base_config(choose_base(read_adapter_config(directory), directory, None, None, force=False))
 
@@ -120,9 +120,9 @@ def _write_checked(
     from transformers import AutoConfig
 
     from lowmem_tpu.console import say
-    from lowmem_tpu.model.loading import weight_files
-    from lowmem_tpu.publish.base import load_causal_lm
-    from lowmem_tpu.publish.gguf import write_gguf
+    from lowmem_tpu.model.build import weight_files
+    from lowmem_tpu.publish.adapter_base import load_causal_lm
+    from lowmem_tpu.publish.gguf.writer import write_gguf
 
     tokenizer = _tokenizer(model_dir)
     source_config = AutoConfig.from_pretrained(model_dir)

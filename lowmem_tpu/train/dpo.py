@@ -1,6 +1,6 @@
 """TRL's ``DPOTrainer`` on XLA SPMD FSDP: the glue of :mod:`lowmem_tpu.train.trainer`, TRL's loss and metrics.
 
-The rows come ready at a static shape (``lowmem_tpu.data.preference``: TRL's own tokenization, padded to
+The rows come ready at a static shape (``lowmem_tpu.data.pairs``: TRL's own tokenization, padded to
 ``data.max_length``), so TRL's dataset preparation is skipped and the step compiles once (TRL pads each
 batch to its longest pair, a new program for every length: trl#2001).
 
@@ -27,7 +27,7 @@ import torch
 from trl import DPOTrainer
 
 from lowmem_tpu.console import say
-from lowmem_tpu.data.preference import collate_pairs
+from lowmem_tpu.data.pairs import collate_pairs
 from lowmem_tpu.errors import UserError
 from lowmem_tpu.train.args import preference_args
 from lowmem_tpu.train.trainer import XlaTrainerMixin, trainer_kwargs
@@ -105,7 +105,7 @@ class XlaDPOTrainer(XlaTrainerMixin, DPOTrainer):
         return dataset.add_column("ref_chosen_logps", chosen).add_column("ref_rejected_logps", rejected)
 
     def _prepare_dataset(self, dataset: Any, *args: Any, **kwargs: Any) -> Any:
-        return dataset  # rows made by lowmem_tpu.data.preference
+        return dataset  # rows made by lowmem_tpu.data.pairs
 
     def _set_signature_columns_if_needed(self) -> None:
         self._signature_columns = ["input_ids", "attention_mask", "completion_mask"]
@@ -129,7 +129,7 @@ class XlaDPOTrainer(XlaTrainerMixin, DPOTrainer):
         return (result[0].to(device), result[1]) if return_outputs else result.to(device)
 
     def _one_program_loss(self, model: torch.nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
-        """The step a compiler sizes (``memory --compile`` and ``--measure``, never a run): the sigmoid DPO loss
+        """The step a compiler sizes (``memory --compile``, never a run): the sigmoid DPO loss
         written on the devices, so that the policy's forward pass, the reference's (unless precomputed) and
         the backward pass are one program. A run computes TRL's own loss on the host between those passes
         (trap ``dpo-on-the-host``); the tensors the devices hold are the same."""

@@ -14,8 +14,8 @@ import gc
 from pathlib import Path
 from typing import Any
 
-from lowmem_tpu.publish import llama_cpp
-from lowmem_tpu.publish.gguf_meta import adds_bos
+from lowmem_tpu.publish.gguf import llama_cpp
+from lowmem_tpu.publish.gguf.metadata import adds_bos
 from lowmem_tpu.publish.verify import PROMPTS, compare, logits
 
 # max |GGUF - model| / max |model| over the check prompts' logits. transformers dequantizes the file and

@@ -21,7 +21,7 @@ import lowmem_tpu.data.fields as fields
 from lowmem_tpu.config import DataSection
 from lowmem_tpu.data.chat import common_prefix, render
 from lowmem_tpu.data.formats import led_by_bos
-from lowmem_tpu.data.loading import DataError, length_percentiles
+from lowmem_tpu.data.sources import DataError, length_percentiles
 
 if TYPE_CHECKING:
     import datasets

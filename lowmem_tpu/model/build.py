@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-CONFIGS = Path(__file__).parent.parent / "configs"
+CONFIGS = Path(__file__).parent.parent / "model_configs"
 Weights = Literal["checkpoint", "random", "meta"]
 
 

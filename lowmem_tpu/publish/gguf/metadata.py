@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from lowmem_tpu.errors import UserError
-from lowmem_tpu.publish.gguf_vocab import read_vocab, special_ids
+from lowmem_tpu.publish.gguf.vocab import read_vocab, special_ids
 
 
 @dataclass(frozen=True)

@@ -7,16 +7,16 @@ from collections.abc import Callable
 from lowmem_tpu.config import load_recipe
 from lowmem_tpu.config.devices import DEVICES, GENERATIONS, GiB
 from lowmem_tpu.memory.advise import format_report, plan_recipe
-from lowmem_tpu.model.loading import require_config
+from lowmem_tpu.model.build import require_config
 from lowmem_tpu.xla.tpu import default_device
 
 from .common import ROOT, shipped_recipe
 
 
 def devices_table() -> str:
-    """docs/memory.md: the catalog of devices ``--device`` names (lowmem_tpu/config/devices.py)."""
+    """docs/memory.md: the catalog of devices ``--target`` names (lowmem_tpu/config/devices.py)."""
     rows = [
-        "| `--device` | XLA devices | HBM per XLA device: nominal, usable (planned) | peak bf16 FLOP/s "
+        "| `--target` | XLA devices | HBM per XLA device: nominal, usable (planned) | peak bf16 FLOP/s "
         "| HBM bandwidth | compile-only topology | note |",
         "|---|---|---|---|---|---|---|",
     ]
@@ -193,13 +193,13 @@ FULL_UNTUNED = [
 
 
 def memory_output(recipe: str, overrides: list[str] | None = None, device: str | None = None) -> Callable[[], str]:
-    """``lowmem-tpu memory RECIPE [--device D] [overrides]``'s output, as the command prints it."""
+    """``lowmem-tpu memory RECIPE [--target D] [overrides]``'s output, as the command prints it."""
 
     def output() -> str:
         loaded = shipped_recipe(recipe, overrides)
         report = plan_recipe(loaded, device or default_device(loaded), require_config(loaded))
         command = " ".join(["lowmem-tpu memory", f"recipes/{recipe}.yaml", *(overrides or [])])
-        command += f" --device {device}" if device else ""
+        command += f" --target {device}" if device else ""
         return f"```\n$ {command}\n{format_report(report)}\n```"
 
     return output

@@ -180,7 +180,7 @@ def tune(
 def flash_allowed(recipe: Recipe) -> bool:
     """Whether flash computes the recipe's model at its length (no window its rows meet, no soft-capped scores)."""
     from lowmem_tpu.config.features import attention_of
-    from lowmem_tpu.model.loading import require_config
+    from lowmem_tpu.model.build import require_config
 
     return attention_of(require_config(recipe)).flash_refusal(recipe.data.max_length) is None
 
@@ -191,7 +191,7 @@ def _try(recipe: Recipe, device: Device, item: Tried, fill: float | None, source
     from lowmem_tpu.measure.tpu_layers import compile_by_layers, layer_points, layers_of
     from lowmem_tpu.measure.tpu_report import compile_beside_plan
     from lowmem_tpu.memory.advise import plan_recipe
-    from lowmem_tpu.model.loading import require_config
+    from lowmem_tpu.model.build import require_config
 
     started = time.monotonic()
     try:

@@ -11,7 +11,7 @@ from lowmem_tpu.config.devices import DEVICES
 from lowmem_tpu.config.shipped import describe_shipped
 from lowmem_tpu.console import size
 from lowmem_tpu.memory.advise import plan_recipe
-from lowmem_tpu.model.loading import require_config
+from lowmem_tpu.model.build import require_config
 
 from .common import RECORD, RESULTS, ROOT, shipped_recipe, targets
 

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from lowmem_tpu.errors import UserError
-from lowmem_tpu.publish.gguf_meta import Family, family_of
+from lowmem_tpu.publish.gguf.metadata import Family, family_of
 
 SKIPPED_PREFIXES = ("model.vision_tower.", "vision_tower.", "model.multi_modal_projector.", "multi_modal_projector.")
 TYPES = ("f32", "f16", "bf16", "q8_0")
@@ -57,7 +57,7 @@ def gguf_tensors(directory: Path, family: Family, text: Any) -> Iterator[tuple[s
     """``(gguf name, float32 array)`` of every tensor llama.cpp reads, one at a time, in checkpoint order."""
     import gguf
 
-    from lowmem_tpu.model.loading import read_tensors, weight_files
+    from lowmem_tpu.model.build import read_tensors, weight_files
 
     arch = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == family.arch)
     names = gguf.get_tensor_name_map(arch, text.num_hidden_layers)
@@ -117,7 +117,7 @@ def write_gguf(directory: Path, path: Path, qtype_name: str, tokenizer: Any, nam
     import gguf
     from transformers import AutoConfig
 
-    from lowmem_tpu.publish.gguf_meta import add_hyperparameters, add_tokenizer, check_describable, notes
+    from lowmem_tpu.publish.gguf.metadata import add_hyperparameters, add_tokenizer, check_describable, notes
 
     config = AutoConfig.from_pretrained(directory)
     check_describable(config)
