@@ -33,6 +33,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from tables import figures_calibration as fc
 from tables.common import COMPILER_DOC, DOCS, README, ROOT
 from tables.compiled import (
     compile_output,
@@ -44,6 +45,8 @@ from tables.compiled import (
     table,
     tune_table,
 )
+from tables.figures_speed import dropout, plan_figure, tune_candidate_seconds
+from tables.figures_user import bytes_per_parameter, peak_sum, quant_widest_gap, usable
 from tables.planned import (
     FULL_UNTUNED,
     components_table,
@@ -69,26 +72,30 @@ TABLES: list[tuple[Path, str, Callable[[], str]]] = [
     (COMPILER_DOC, "layer-slopes", slopes_table),
     (COMPILER_DOC, "compile-open-llama-lora", compile_output("open_llama_lora", "v5e-8")),
     (DOCS / "speed.md", "step-estimates", speed_table),
-    (DOCS / "speed.md", "tune-open-llama-lora", tune_table("tune_open_llama_lora_v5e8.json")),
-    (DOCS / "speed.md", "tune-open-llama-lora-v5e1", tune_table("tune_open_llama_lora_v5e1.json")),
-    (DOCS / "speed.md", "tune-llama3-3b-lora-v5e1", tune_table("tune_llama3_3b_lora_v5e1.json")),
-    (DOCS / "speed.md", "tune-llama3-8b-lora-v5e8", tune_table("tune_llama3_8b_lora_v5e8.json")),
-    (DOCS / "speed.md", "tune-qwen3-8b-lora-v5e8", tune_table("tune_qwen3_8b_lora_v5e8.json")),
-    (DOCS / "speed.md", "tune-mistral-7b-lora-v5e8", tune_table("tune_mistral_7b_lora_v5e8.json")),
-    (DOCS / "speed.md", "tune-phi4-lora-v5e8", tune_table("tune_phi4_lora_v5e8.json")),
-    (DOCS / "speed.md", "tune-gemma2-9b-lora-v5e8", tune_table("tune_gemma2_9b_lora_v5e8.json")),
-    (DOCS / "speed.md", "tune-phi3-mini-lora-v5e1", tune_table("tune_phi3_mini_lora_v5e1.json")),
-    (DOCS / "speed.md", "tune-gemma3-4b-lora-v5e1", tune_table("tune_gemma3_4b_lora_v5e1.json")),
-    (DOCS / "speed.md", "tune-open-llama-full", tune_table("tune_open_llama_full.json")),
-    (DOCS / "speed.md", "tune-open-llama-7b-full-v5e16", tune_table("tune_open_llama_7b_full_v5e16.json")),
-    (DOCS / "speed.md", "tune-llama3-8b-qlora-v5e1", tune_table("tune_llama3_8b_qlora_v5e1.json")),
-    (DOCS / "speed.md", "tune-llama3-8b-qlora-v5e1-rows", tune_table("tune_llama3_8b_qlora_v5e1_rows.json")),
-    (DOCS / "speed.md", "tune-llama3-3b-dpo-v5e1", tune_table("tune_llama3_3b_dpo_v5e1.json")),
-    (DOCS / "speed.md", "tune-llama3-3b-dpo-full-v5e8", tune_table("tune_llama3_3b_dpo_full_v5e8.json")),
-    (DOCS / "speed.md", "tune-llama3-8b-dpo-v5e8", tune_table("tune_llama3_8b_dpo_v5e8.json")),
-    (DOCS / "speed.md", "nf4-layout", nf4_layout_table),
-    (DOCS / "speed.md", "tune-llama2-70b-qlora-v5e8", tune_table("tune_llama2_70b_qlora_v5e8.json")),
-    (DOCS / "speed.md", "adapter-dtype-loss", benchmark_table("adapter_dtype_loss")),
+    (DOCS / "speed_calibration.md", "tune-open-llama-lora", tune_table("tune_open_llama_lora_v5e8.json")),
+    (DOCS / "speed_calibration.md", "tune-open-llama-lora-v5e1", tune_table("tune_open_llama_lora_v5e1.json")),
+    (DOCS / "speed_calibration.md", "tune-llama3-3b-lora-v5e1", tune_table("tune_llama3_3b_lora_v5e1.json")),
+    (DOCS / "speed_calibration.md", "tune-llama3-8b-lora-v5e8", tune_table("tune_llama3_8b_lora_v5e8.json")),
+    (DOCS / "speed_calibration.md", "tune-qwen3-8b-lora-v5e8", tune_table("tune_qwen3_8b_lora_v5e8.json")),
+    (DOCS / "speed_calibration.md", "tune-mistral-7b-lora-v5e8", tune_table("tune_mistral_7b_lora_v5e8.json")),
+    (DOCS / "speed_calibration.md", "tune-phi4-lora-v5e8", tune_table("tune_phi4_lora_v5e8.json")),
+    (DOCS / "speed_calibration.md", "tune-gemma2-9b-lora-v5e8", tune_table("tune_gemma2_9b_lora_v5e8.json")),
+    (DOCS / "speed_calibration.md", "tune-phi3-mini-lora-v5e1", tune_table("tune_phi3_mini_lora_v5e1.json")),
+    (DOCS / "speed_calibration.md", "tune-gemma3-4b-lora-v5e1", tune_table("tune_gemma3_4b_lora_v5e1.json")),
+    (DOCS / "speed_calibration.md", "tune-open-llama-full", tune_table("tune_open_llama_full.json")),
+    (DOCS / "speed_calibration.md", "tune-open-llama-7b-full-v5e16", tune_table("tune_open_llama_7b_full_v5e16.json")),
+    (DOCS / "speed_calibration.md", "tune-llama3-8b-qlora-v5e1", tune_table("tune_llama3_8b_qlora_v5e1.json")),
+    (
+        DOCS / "speed_calibration.md",
+        "tune-llama3-8b-qlora-v5e1-rows",
+        tune_table("tune_llama3_8b_qlora_v5e1_rows.json"),
+    ),
+    (DOCS / "speed_calibration.md", "tune-llama3-3b-dpo-v5e1", tune_table("tune_llama3_3b_dpo_v5e1.json")),
+    (DOCS / "speed_calibration.md", "tune-llama3-3b-dpo-full-v5e8", tune_table("tune_llama3_3b_dpo_full_v5e8.json")),
+    (DOCS / "speed_calibration.md", "tune-llama3-8b-dpo-v5e8", tune_table("tune_llama3_8b_dpo_v5e8.json")),
+    (DOCS / "speed_calibration.md", "nf4-layout", nf4_layout_table),
+    (DOCS / "speed_calibration.md", "tune-llama2-70b-qlora-v5e8", tune_table("tune_llama2_70b_qlora_v5e8.json")),
+    (DOCS / "speed_calibration.md", "adapter-dtype-loss", benchmark_table("adapter_dtype_loss")),
     (DOCS / "preference.md", "dpo-demo", benchmark_table("dpo_demo")),
     (DOCS / "serving.md", "gguf-demo", benchmark_table("gguf_demo")),
     (DOCS / "serving.md", "lm-eval-time", benchmark_table("lm_eval_time")),
@@ -108,6 +115,64 @@ TABLES: list[tuple[Path, str, Callable[[], str]]] = [
     (DOCS / "qlora.md", "lora-variants", benchmark_table("lora_variants")),
     (DOCS / "tpu.md", "components", components_table),
     (DOCS / "faults.md", "fault-matrix", fault_table),
+    # figures in the user guides' sentences (tools/tables/figures_user.py)
+    (README, "fig-v5e-usable", usable("v5e")),
+    (DOCS / "tpu.md", "fig-v5e-usable", usable("v5e")),
+    (DOCS / "tpu.md", "fig-peak-open-llama-lora", peak_sum("open_llama_lora")),
+    (DOCS / "qlora.md", "fig-v5e-usable", usable("v5e")),
+    (DOCS / "qlora.md", "fig-quant-widest-gap", quant_widest_gap),
+    (DOCS / "qlora.md", "fig-nf4-dq-bytes", bytes_per_parameter("nf4 + double quant")),
+    (DOCS / "qlora.md", "fig-int4-bytes", bytes_per_parameter("int4")),
+    # figures in docs/speed.md's and docs/memory.md's sentences (tools/tables/figures_speed.py)
+    (DOCS / "speed.md", "fig-tune-candidate-seconds", tune_candidate_seconds("tune_open_llama_lora_v5e8.json")),
+    (DOCS / "memory.md", "fig-lora-persistent", plan_figure("open_llama_lora", None, "plan", "persistent")),
+    (DOCS / "memory.md", "fig-full-adamw-persistent", plan_figure("open_llama_lora", None, "twin", "persistent")),
+    (
+        DOCS / "memory.md",
+        "fig-full-adafactor-persistent",
+        plan_figure("open_llama_full", ["train.master_weights=false"], "plan", "persistent"),
+    ),
+    (DOCS / "memory.md", "fig-dropout-bits", dropout("plan", "dropout_masks")),
+    (DOCS / "memory.md", "fig-dropout-needed", dropout("plan", "needed")),
+    (DOCS / "memory.md", "fig-dropout-twin-needed", dropout("twin", "needed")),
+    # docs/tpu_compiler.md's and docs/memory_calibration.md's figures (tools/tables/figures_calibration.py)
+    (COMPILER_DOC, "fig-v5e-usable", fc.usable_hbm("v5e")),
+    (COMPILER_DOC, "fig-v5e-clock", fc.clock("v5e")),
+    (COMPILER_DOC, "plan-errors", fc.plan_errors),
+    (COMPILER_DOC, "fig-full-v5e1-planned", fc.planned("open_llama_full", fc.FULL_ON_ONE_CHIP, "v5e-1")),
+    (COMPILER_DOC, "tpu-terms", fc.terms_table),
+    (DOCS / "memory_calibration.md", "fig-grid-points", fc.grid_points),
+    (DOCS / "memory_calibration.md", "fig-3b-parameters", fc.parameters("open_llama_full")),
+    (
+        DOCS / "memory_calibration.md",
+        "fig-tpu-plan-lora-dropout",
+        fc.planned("open_llama_lora", [*fc.UNTUNED, "lora.dropout=0.05"], "v5e-8"),
+    ),
+    (DOCS / "memory_calibration.md", "fig-tpu-plan-lora", fc.planned("open_llama_lora", fc.UNTUNED, "v5e-8")),
+    (DOCS / "memory_calibration.md", "fig-tpu-plan-full", fc.planned("open_llama_full", fc.UNTUNED_ADAFACTOR, "v5e-8")),
+    (
+        DOCS / "memory_calibration.md",
+        "fig-cpu-plan-full",
+        fc.planned("open_llama_full", [*fc.UNTUNED_ADAFACTOR, "runtime.num_cpu_devices=8"], "cpu"),
+    ),
+    (DOCS / "memory_calibration.md", "fig-persistent-lora", fc.persistent("open_llama_lora", fc.UNTUNED)),
+    (DOCS / "memory_calibration.md", "fig-persistent-full", fc.persistent("open_llama_full", fc.UNTUNED_ADAFACTOR)),
+    (
+        DOCS / "memory_calibration.md",
+        "fig-tpu-plan-full-gradients",
+        fc.planned("open_llama_full", fc.UNTUNED_ADAFACTOR, "v5e-8", "gradients"),
+    ),
+    (
+        DOCS / "memory_calibration.md",
+        "fig-tpu-plan-dropout-bits",
+        fc.planned("open_llama_lora", [*fc.UNTUNED, "lora.dropout=0.05"], "v5e-8", "dropout_masks"),
+    ),
+    (DOCS / "memory_calibration.md", "fig-one-device-attention", fc.one_device_attention),
+    (
+        DOCS / "memory_calibration.md",
+        "fig-tpu-dropout-bits-shipped",
+        fc.planned("open_llama_lora", ["lora.dropout=0.05"], "v5e-8", "dropout_masks"),
+    ),
 ]
 
 

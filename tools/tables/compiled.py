@@ -195,8 +195,8 @@ def speed_table() -> str:
     return "\n".join(rows)
 
 
-# NF4's byte layout, before and after (docs/speed.md): a tune search compiled on bitsandbytes' layout (gathered
-# packed across chips), at the settings the recipe ships, beside the recipe's record now.
+# NF4's byte layout, before and after (docs/speed_calibration.md): a tune search compiled on bitsandbytes' layout
+# (gathered packed across chips), at the settings the recipe ships, beside the recipe's record.
 NF4_LAYOUT = {  # recipe -> the search on bitsandbytes' layout
     "llama3_8b_qlora_v5e1": "tune_llama3_8b_qlora_v5e1_rows.json",
     "llama2_70b_qlora_v5e8": "tune_llama2_70b_qlora_v5e8_bnb_layout.json",
@@ -204,7 +204,8 @@ NF4_LAYOUT = {  # recipe -> the search on bitsandbytes' layout
 
 
 def nf4_layout_table() -> str:
-    """docs/speed.md: a QLoRA step with bitsandbytes' byte layout (a tune search's compile) and with the TPU's."""
+    """docs/speed_calibration.md: a QLoRA step with bitsandbytes' byte layout (a tune search's compile) and with
+    the TPU's."""
     records = json.loads(RECORD.read_text())
     rows = [
         "| recipe | target | rows per chip x micro-batches | bitsandbytes' layout: step, MFU, tokens/s/chip "
@@ -235,7 +236,7 @@ def nf4_layout_table() -> str:
 
 
 def tune_table(result: str) -> Callable[[], str]:
-    """docs/speed.md: every candidate ``lowmem-tpu tune`` compiled (its JSON, kept in benchmarks/results/)."""
+    """docs/speed_calibration.md: every candidate ``lowmem-tpu tune`` compiled (its JSON, in benchmarks/results/)."""
 
     def output() -> str:
         record = json.loads((RESULTS / result).read_text())
