@@ -12,11 +12,16 @@ from pathlib import Path
 
 import pytest
 
+from lowmem_tpu.xla.runtime import cpu_xla_flags
+
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 os.environ.setdefault("CPU_NUM_DEVICES", "4")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+# XLA:CPU's flags as a run on the CPU backend sets them, for the tests that start torch_xla themselves: every
+# process of the suite compiles alike (no torch is imported here).
+os.environ["XLA_FLAGS"] = cpu_xla_flags(os.environ.get("XLA_FLAGS", ""))
 
 # The persistent compilation cache ("auto") goes under the user's cache directory: keep tests out of it.
 if "LOWMEM_TPU_TEST_CACHE" not in os.environ:

@@ -266,9 +266,11 @@ def _compile(request: dict[str, Any], work: Path, dump: Path, timeout: float) ->
     (work / "request.json").write_text(json.dumps(request))
     command = [sys.executable, "-m", "lowmem_tpu.measure.libtpu", str(work / "request.json"), str(work / "tpu.json")]
     from lowmem_tpu.measure.local import with_user_flags
-    from lowmem_tpu.xla.runtime import with_libtpu_flags
+    from lowmem_tpu.xla.runtime import CPU_XLA_FLAGS, with_libtpu_flags
 
-    env = os.environ | {"XLA_FLAGS": with_user_flags(f"--xla_dump_to={dump}"), "TF_CPP_MIN_LOG_LEVEL": "3"}
+    # The user's XLA flags reach the TPU compiler; the ones a CPU run sets for XLA:CPU do not.
+    user = " ".join(flag for flag in with_user_flags(f"--xla_dump_to={dump}").split() if flag not in CPU_XLA_FLAGS)
+    env = os.environ | {"XLA_FLAGS": user, "TF_CPP_MIN_LOG_LEVEL": "3"}
     env["LIBTPU_INIT_ARGS"] = with_libtpu_flags(os.environ.get("LIBTPU_INIT_ARGS", ""))  # as a run on a TPU
     env["JAX_PLATFORMS"] = "cpu"  # jax's default backend: never the chips (a run may hold them); topologies need none
     with open(work / "tpu.log", "w") as log:

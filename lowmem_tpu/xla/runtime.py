@@ -54,10 +54,26 @@ class Runtime:
 LIBTPU_FLAGS = ("--xla_tpu_spmd_rng_bit_generator_unsafe=true",)
 
 
+# XLA:CPU (the CPU backend, rehearsals and tests): LLVM at level 1 compiles a tiny step's programs faster than
+# the default and runs them as fast (the demo's recipe at 100 steps: 29 s against 32 s wall, 0.140 against
+# 0.145 s a step); level 0 runs them slower. A user's own setting of the flag wins.
+CPU_XLA_FLAGS = ("--xla_backend_optimization_level=1",)
+
+
+def cpu_xla_flags(existing: str) -> str:
+    """``XLA_FLAGS`` with :data:`CPU_XLA_FLAGS` added after the user's, unless the user set them."""
+    return _with_flags(existing, CPU_XLA_FLAGS)
+
+
 def with_libtpu_flags(existing: str) -> str:
     """``LIBTPU_INIT_ARGS`` with :data:`LIBTPU_FLAGS` added after the user's, unless the user set them."""
+    return _with_flags(existing, LIBTPU_FLAGS)
+
+
+def _with_flags(existing: str, flags: tuple[str, ...]) -> str:
+    """``existing`` flags with ``flags`` added after them, each unless the user set it."""
     set_by_user = {flag.split("=")[0] for flag in existing.split()}
-    ours = [flag for flag in LIBTPU_FLAGS if flag.split("=")[0] not in set_by_user]
+    ours = [flag for flag in flags if flag.split("=")[0] not in set_by_user]
     return " ".join([*existing.split(), *ours])
 
 
@@ -72,6 +88,7 @@ def configure_environment(cfg: RuntimeSection) -> str:
         os.environ["LIBTPU_INIT_ARGS"] = with_libtpu_flags(os.environ.get("LIBTPU_INIT_ARGS", ""))
     if platform == "CPU" and not _xla_imported():
         os.environ["CPU_NUM_DEVICES"] = str(cfg.num_cpu_devices)
+        os.environ["XLA_FLAGS"] = cpu_xla_flags(os.environ.get("XLA_FLAGS", ""))
     if cfg.quiet:
         # The GSPMD deprecation notice is printed hundreds of times per compile.
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")

@@ -196,15 +196,12 @@ def test_a_dpo_run_starts_at_ln_2_and_compiles_nothing_after_warm_up(tmp_path):
     assert any("eval_rewards/accuracies" in line for line in logged)
     assert (out / "final" / "adapter_model.safetensors").is_file()
     assert "pref acc" in done.stdout and "margin" in done.stdout
-    # Published as any run: the card says DPO, merge checks the merged model against base + adapter
+    # Published as any run (merged as any adapter): the card says DPO
     from lowmem_tpu.publish.card import model_card
 
     card = model_card(out / "final", "me/tiny-dpo", "adapter")
     assert "- dpo" in card and "preference tuning: DPO (TRL DPOTrainer, beta 0.1, loss sigmoid, " in card
     assert "| preference accuracy | 0.0000 |" in card and "lowmem-tpu dpo recipe.yaml" in card
-    merge = [sys.executable, "-m", "lowmem_tpu.cli", "merge", str(out / "final"), "--out", str(tmp_path / "merged")]
-    merged = subprocess.run(merge, capture_output=True, text=True, timeout=300)
-    assert merged.returncode == 0, merged.stderr[-2000:]
     # eval scores the saved adapter as the run scored its held-out pairs after training
     held_out = str(PAIRS.with_name("prefer_eval.jsonl"))
     evaluate = [sys.executable, "-m", "lowmem_tpu.cli", "eval", str(out / "final"), "--data", held_out]

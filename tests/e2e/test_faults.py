@@ -3,8 +3,8 @@ with the uninterrupted run's weights, bit for bit, and no kill leaves a director
 
 A representative subset of the fault matrix (``tests/helpers/fault_matrix.py``, whose every point, LoRA and full,
 ``benchmarks/fault_matrix.py`` runs), with its settings and checks: one uninterrupted run per mode, then a LoRA
-run killed three times in a row (while tokenizing, inside its second save, with final/ written but not yet
-renamed) and a full run killed with its second checkpoint marked COMPLETE but not yet renamed.
+run killed four times in a row (while tokenizing, inside its second save, with a checkpoint marked COMPLETE but
+not yet renamed, with final/ written but not yet renamed) and a DPO run killed inside its second save.
 """
 
 from __future__ import annotations
@@ -31,13 +31,15 @@ def references(tmp_path_factory) -> dict[str, Path]:
     return final
 
 
-def _kill(out: Path, mode: str, case: str) -> None:
+def _kill(out: Path, mode: str, case: str) -> str:
+    """Run until SIGKILLed at ``case``; what it printed."""
     proc = matrix.sft(out, mode, kill=case)
     assert proc.returncode == -signal.SIGKILL, (case, proc.returncode, proc.stderr[-3000:])
     assert matrix.check_dir(out) == [], case
+    return proc.stdout
 
 
-def test_a_lora_run_killed_while_tokenizing_saving_and_publishing_final_resumes_bit_for_bit(references, tmp_path):
+def test_a_lora_run_killed_while_tokenizing_saving_marking_and_publishing_resumes_bit_for_bit(references, tmp_path):
     out = tmp_path / "run"
     _kill(out, "lora", "cache")  # the rows written in data_cache/KEY.partial, not renamed
     assert not (out / "checkpoints").exists()
@@ -48,26 +50,20 @@ def test_a_lora_run_killed_while_tokenizing_saving_and_publishing_final_resumes_
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step-2", "step-4.partial"]
     assert not (checkpoints / "step-4.partial" / "COMPLETE").exists()
 
-    _kill(out, "lora", "final-publish")  # resumes from step-2; killed with final.partial whole, not renamed
+    _kill(out, "lora", "save-complete:1")  # resumes from step-2; step-4.partial marked COMPLETE, not renamed
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-2", "step-4.partial"]
+    assert (checkpoints / "step-4.partial" / "COMPLETE").exists()
+
+    printed = _kill(out, "lora", "final-publish")  # never resumes from the unrenamed step-4: step-2 again
+    assert f"resuming from {checkpoints / 'step-2'}" in printed
     assert (out / "final.partial").is_dir() and not (out / "final").exists()
-    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-4", "step-6"]
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-4", "step-6"]  # step-4 written by the re-run
 
     again = matrix.sft(out, "lora")
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"resuming from {checkpoints / 'step-6'}" in again.stdout
     assert not (out / "final.partial").exists() and matrix.check_dir(out) == []
     assert matrix.weight_difference(references("lora"), out / "final") is None
-
-
-def test_a_full_run_killed_with_a_complete_checkpoint_not_yet_renamed_resumes_bit_for_bit(references, tmp_path):
-    result = matrix.run_case(tmp_path, "full", "save-complete:2", references("full"), keep=True)
-    assert result["survived"], result["problems"]
-    assert result["exit"] == -signal.SIGKILL and result["resumed_from"] == "step-2"
-    # The marked but unrenamed step-4.partial was never resumed from; the re-run wrote step-4 itself.
-    assert sorted(p.name for p in (tmp_path / "full-save-complete-2" / "checkpoints").iterdir()) == [
-        "step-4",
-        "step-6",
-    ]
 
 
 def test_a_dpo_run_killed_inside_its_second_save_resumes_bit_for_bit(references, tmp_path):

@@ -25,3 +25,12 @@ def test_libtpu_flags_are_added_after_the_users_and_never_override_them():
     assert with_libtpu_flags("--a=1") == " ".join(["--a=1", *LIBTPU_FLAGS])
     mine = "--xla_tpu_spmd_rng_bit_generator_unsafe=false"
     assert with_libtpu_flags(mine) == mine
+
+
+def test_xla_cpu_flags_are_added_after_the_users_and_never_override_them():
+    from lowmem_tpu.xla.runtime import CPU_XLA_FLAGS, cpu_xla_flags
+
+    assert cpu_xla_flags("") == " ".join(CPU_XLA_FLAGS)
+    assert cpu_xla_flags("--xla_dump_to=/tmp/x") == " ".join(["--xla_dump_to=/tmp/x", *CPU_XLA_FLAGS])
+    mine = "--xla_backend_optimization_level=3"
+    assert cpu_xla_flags(mine) == mine and cpu_xla_flags(cpu_xla_flags("")) == cpu_xla_flags("")
