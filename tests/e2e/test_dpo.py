@@ -50,7 +50,7 @@ def _xla_step(
     from lowmem_tpu.model.names import ParamNames
     from lowmem_tpu.train.args import preference_args
     from lowmem_tpu.train.dpo import XlaDPOTrainer
-    from lowmem_tpu.xla.runtime import configure_environment, setup_runtime
+    from lowmem_tpu.xla.runtime import configure_environment, setup_runtime, sync
     from lowmem_tpu.xla.sharding import place_parameters
 
     full = not (adapter / "adapter_config.json").is_file()
@@ -88,6 +88,7 @@ def _xla_step(
     loss = trainer.compute_loss(wrapped, batch)
     assert isinstance(loss, torch.Tensor) and loss.device.type == "xla"
     loss.backward()  # through the host copies, back onto the devices
+    sync()  # one program for every gradient: .cpu() on each pending one would compile a program each
     grads = {name: p.grad.cpu() for name, p in trainer.names.params.items() if p.requires_grad}  # clean names
     metrics = {key: values[-1] for key, values in trainer._metrics["train"].items()}
     return {"loss": loss.item(), **metrics, "grads": grads}

@@ -17,6 +17,9 @@ def _forward_backward(model, ids, device):
     model.zero_grad()
     out = model(input_ids=ids.to(device), labels=ids.to(device))
     out.loss.backward()
+    from lowmem_tpu.xla.runtime import sync
+
+    sync()  # one program for every gradient, not one per .cpu() below
     grads = {n: p.grad.cpu() for n, p in model.named_parameters() if "self_attn" in n}  # q and k rotate
     return out.logits.cpu(), grads
 

@@ -1,5 +1,6 @@
-"""The Kaggle and Colab notebooks as shipped: outputs stripped, one parameters cell that CI can replace
-(running them through a real Jupyter kernel: e2e/test_notebooks.py)."""
+"""The Kaggle and Colab notebooks as shipped: outputs stripped, one parameters cell that CI can replace, the
+same code but for the recipe and where each platform keeps the Hub token (running one through a real Jupyter
+kernel: e2e/test_notebooks.py)."""
 
 from __future__ import annotations
 
@@ -25,3 +26,15 @@ def test_the_shipped_notebooks_are_stripped_and_parameterized():
         assert assigned(tagged[0].source) == assigned(ci_parameters(Path("x"))), path.name
         recipe = "open_llama_lora.yaml" if path.name.startswith("kaggle") else "open_llama_lora_v5e1.yaml"
         assert f'RECIPE = "recipes/{recipe}"' in tagged[0].source
+
+
+def test_the_notebooks_run_the_same_code_but_for_the_recipe_and_the_platforms_secrets():
+    """So that running one of them end to end (e2e/test_notebooks.py) runs the other's code too."""
+    kaggle, colab = (
+        [c.source for c in nbformat.read(p, as_version=4).cells if c.cell_type == "code"] for p in NOTEBOOKS[::-1]
+    )
+    assert len(kaggle) == len(colab)
+    platform = ("Kaggle", "kaggle", "Colab", "colab", "UserSecretsClient", "userdata")
+    for k, c in zip(kaggle[1:], colab[1:], strict=True):  # the parameters cell is checked above
+        differ = [line for line in set(k.splitlines()) ^ set(c.splitlines()) if not any(w in line for w in platform)]
+        assert differ == [], differ
