@@ -1,4 +1,4 @@
-"""The docs: every table and figure generated from its record, and the README's first commands."""
+"""The docs: every table and figure generated from its record; commit subjects of one short line."""
 
 from __future__ import annotations
 
@@ -58,3 +58,11 @@ def test_no_figure_in_the_docs_is_typed_by_hand():
     command that prints it: a typed figure goes stale the moment its source changes."""
     typed = {str(path.relative_to(ROOT)): found for path in DOCS if (found := typed_figures(path.read_text()))}
     assert typed == {}
+
+
+def test_a_commit_subject_over_72_characters_is_refused(tmp_path):
+    """tools/commit_subjects.py: what `make check` runs over the history and the commit-msg hook over a message."""
+    message = tmp_path / "MSG"
+    for subject, code in (("x" * 72, 0), ("x" * 73, 1)):
+        message.write_text(f"# a comment git strips\n{subject}\n\nthe why, as long as it needs\n")
+        assert _tool("commit_subjects", "--message", str(message)).returncode == code

@@ -500,3 +500,13 @@ def test_a_starting_adapters_lora_settings_replace_the_recipes(tmp_path):
     (adapter / "adapter_config.json").write_text("{not json")
     with pytest.raises(RecipeError, match="is not readable JSON"):
         load_recipe(default_recipe_path(), [f"model.adapter={adapter}"])
+
+
+def test_a_key_recipes_no_longer_have_names_what_replaces_it():
+    found = problems_of(["data.text_field=body", "sharding.offload_activations=true"])
+    assert found == [
+        "data.text_field: no longer a recipe key: name the column with data.columns: {text: COLUMN}",
+        "sharding.offload_activations: no longer a recipe key: host offload saved no HBM per the TPU compiler; "
+        "remove it (docs/memory.md lists the levers that do)",
+    ]
+
