@@ -1,7 +1,7 @@
 # Commands that work on a fresh machine with Python 3.11 and pip:
 #   make demo   - train the embedded default (tiny Llama, LoRA, 4 CPU XLA devices); installs the core only
 #   make check  - lint, commit subjects and the fast lane (tests/unit: no XLA started, no training)
-#   make test   - the whole suite: both lanes, tests/unit and tests/e2e
+#   make test   - lint, commit subjects and the whole suite: both lanes, tests/unit and tests/e2e
 PYTHON ?= python3
 VENV ?= .venv
 PIP = $(VENV)/bin/pip install --quiet --disable-pip-version-check -c constraints.txt
@@ -42,6 +42,7 @@ TEST_WORKERS ?= 2
 test: $(DEV)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/python tools/commit_subjects.py
 	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadscope tests/unit tests/e2e
 
 # The fast lane (a bare `pytest` runs it too): ruff, commit subjects, tests/unit (no test starts XLA or trains).

@@ -122,7 +122,10 @@ def check_tpu_compiler(timeout: float = 300) -> Check:
     with tempfile.TemporaryDirectory(prefix="lowmem-doctor-probe-") as tmp:
         result = Path(tmp) / "probe.json"
         command = [sys.executable, "-m", "lowmem_tpu.measure.libtpu", "--probe", str(result)]
-        env = os.environ | {"TF_CPP_MIN_LOG_LEVEL": "3"}
+        from lowmem_tpu.xla.runtime import without_cpu_flags
+
+        flags = without_cpu_flags(os.environ.get("XLA_FLAGS", ""))  # the TPU compiler: the user's flags only
+        env = os.environ | {"TF_CPP_MIN_LOG_LEVEL": "3", "XLA_FLAGS": flags}
         try:
             done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
         except subprocess.TimeoutExpired:

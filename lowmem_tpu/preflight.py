@@ -21,7 +21,7 @@ from lowmem_tpu.machine import platform_for
 
 # The package each train.report_to integration needs (transformers' own callbacks import them).
 INTEGRATIONS = {
-    "tensorboard": ("tensorboard", "pip install 'lowmem-tpu[tensorboard]' (in a clone, make install has it)"),
+    "tensorboard": ("tensorboard", "pip install 'lowmem-tpu[tensorboard]' (in a clone, make install-dev has it)"),
     "wandb": ("wandb", "pip install wandb"),
 }
 

@@ -20,8 +20,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 # XLA:CPU's flags as a run on the CPU backend sets them, for the tests that start torch_xla themselves: every
-# process of the suite compiles alike (no torch is imported here).
-os.environ["XLA_FLAGS"] = cpu_xla_flags(os.environ.get("XLA_FLAGS", ""))
+# process of the suite compiles alike (no torch is imported here). Never on a TPU.
+if os.environ["PJRT_DEVICE"].upper() == "CPU":
+    os.environ["XLA_FLAGS"] = cpu_xla_flags(os.environ.get("XLA_FLAGS", ""))
 
 # The persistent compilation cache ("auto") goes under the user's cache directory: keep tests out of it.
 if "LOWMEM_TPU_TEST_CACHE" not in os.environ:

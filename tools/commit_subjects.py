@@ -27,7 +27,8 @@ def history() -> list[tuple[str, str]]:
     done = subprocess.run(
         ["git", "log", "--format=%H %s", f"{SINCE}..HEAD"], capture_output=True, text=True, check=False
     )
-    if done.returncode != 0:
+    if done.returncode != 0:  # a shallow clone without the commit the rule began at: nothing to check against
+        print(f"commit subjects: {SINCE[:9]} is not in this clone's history; nothing checked", file=sys.stderr)
         return []
     return [tuple(line.split(" ", 1)) for line in done.stdout.splitlines() if " " in line]  # type: ignore[misc]
 
@@ -37,7 +38,7 @@ def main() -> int:
     parser.add_argument("--message", type=Path, help="a commit message file (the commit-msg hook)")
     args = parser.parse_args()
     if args.message:
-        lines = [line for line in args.message.read_text().splitlines() if not line.startswith("#")]
+        lines = [line for line in args.message.read_text().splitlines() if line.strip() and not line.startswith("#")]
         subjects = [("new", lines[0].rstrip())] if lines else []
     else:
         subjects = history()

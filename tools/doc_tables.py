@@ -1,6 +1,6 @@
 """The docs' tables of figures, generated from recorded results and the planner: none is typed by hand.
 
-Run by a unit test (tests/unit/test_recipe.py runs ``--check``) and by hand after a change to a source:
+Run by a unit test (tests/unit/test_docs.py runs ``--check``) and by hand after a change to a source:
 
     python tools/doc_tables.py                     # print every table
     python tools/doc_tables.py --only fit-table    # print the tables of that name

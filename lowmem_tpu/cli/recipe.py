@@ -32,13 +32,12 @@ def validate(recipe: RecipeArg = None, overrides: OverridesArg = None) -> None:
     summary = preflight(loaded, platform=not rehearsal, target=True, scan="installed", model=True)
     target = f"; sized for {loaded.runtime.target}" if loaded.runtime.target else ""
     typer.echo(f"ok: {recipe or 'embedded default'} is valid ({summary}{target})")
-    if rehearsal and platform_for("auto") == "CPU":
-        needs = [message for _, message in cpu_backend_problems(loaded)]
-        runs = [f"{field}={value}" for field, value, _ in cpu_equivalents(loaded)]
+    needs = [message for _, message in cpu_backend_problems(loaded)] if rehearsal else []
+    if platform_for(loaded.runtime.device) == "CPU":
         if needs:
             typer.echo(f"note: no TPU here; a rehearsal on the CPU backend needs: {'; '.join(needs)}")
-        if runs:
-            typer.echo(f"note: no TPU here; a rehearsal on the CPU backend runs {', '.join(runs)} instead")
+        if runs := [f"{field}={value}" for field, value, _ in cpu_equivalents(loaded)]:
+            typer.echo(f"note: on the CPU backend a run computes {', '.join(runs)} instead (the same attention)")
 
 
 @app.command()

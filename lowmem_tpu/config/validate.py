@@ -69,12 +69,26 @@ def _suggest(keys: tuple[str, ...]) -> str:
 
 
 # Keys recipes once had, with what replaces them.
+# Keys recipes once had: their default then (every run's saved recipe.yaml spells it out, and it means what a
+# recipe without the key means now) and, for any other value, what replaces the key.
 REMOVED = {
-    "data.text_field": "name the column with data.columns: {text: COLUMN}",
-    "data.messages_field": "name the column with data.columns: {messages: COLUMN}",
-    "sharding.offload_activations": "host offload saved no HBM per the TPU compiler; remove it (docs/memory.md "
-    "lists the levers that do)",
+    "data.text_field": ("text", "name the column with data.columns: {text: COLUMN}"),
+    "data.messages_field": ("messages", "name the column with data.columns: {messages: COLUMN}"),
+    "sharding.offload_activations": (
+        False,
+        "host offload saved no HBM per the TPU compiler; remove it (docs/memory.md lists the levers that do)",
+    ),
 }
+
+
+def without_removed(data: dict[str, Any]) -> dict[str, Any]:
+    """A recipe mapping without the removed keys that hold their old default (a run saved before they went)."""
+    out = {section: dict(value) if isinstance(value, dict) else value for section, value in data.items()}
+    for path, (default, _) in REMOVED.items():
+        section, key = path.split(".")
+        if isinstance(out.get(section), dict) and key in out[section] and out[section][key] == default:
+            del out[section][key]
+    return out
 
 
 def _got(value: Any) -> str:
@@ -95,7 +109,7 @@ def _describe(keys: tuple[str, ...], errors: list[tuple[tuple[Any, ...], dict[st
     first = errors[0][1]
     if first["type"] == "extra_forbidden":
         if path in REMOVED:
-            return [f"{path}: no longer a recipe key: {REMOVED[path]}"]
+            return [f"{path}: no longer a recipe key: {REMOVED[path][1]}"]
         suggestion = _suggest(keys)
         hint = f"; did you mean {suggestion}?" if suggestion else ""
         valid = _section_fields(keys[:-1])
@@ -148,7 +162,7 @@ def validate_recipe(data: dict[str, Any]) -> Recipe:
     and the recipe validated again, so cross-field problems are reported in the same error,
     except those that involve a dropped key (they could be artefacts of the default).
     """
-    data = with_adapter_settings(data)
+    data = with_adapter_settings(without_removed(data))
     problems: list[str] = []
     removed: list[tuple[str, ...]] = []
     recipe = None

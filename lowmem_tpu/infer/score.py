@@ -2,7 +2,7 @@
 
 Held-out loss and token accuracy come from the run's own trainer (``XlaSFTTrainer.evaluate`` on
 rows tokenized by ``data.build_dataset``; a DPO run's: TRL's loss, preference accuracy and reward margin
-against the base), greedy exact match from ``evaluate.greedy_exact_match``
+against the base), greedy exact match from ``infer.exact_match.greedy_exact_match``
 on the prompts ``data.exact_match_prompts`` builds: the numbers ``sft`` prints before and after
 training, for any adapter or model directory and any data in its run's format.
 """
@@ -20,16 +20,19 @@ DEFAULT_SAMPLES = 100
 
 
 def _recipe(saved: dict[str, Any], directory: Path, data: str, fmt: str | None, split: str | None, out: str) -> Any:
-    """The run's recipe, pointed at ``data`` as its held-out set (nothing is trained)."""
+    """The run's recipe, pointed at ``data`` as its held-out set (nothing is trained), as this machine runs it
+    (a TPU-only setting on the CPU backend: its equivalent, ``preflight.as_run_here``)."""
     from lowmem_tpu.config import with_overrides
+    from lowmem_tpu.preflight import as_run_here
 
     if not saved:
         raise UserError(f"{directory}: no recipe.yaml beside the weights; eval needs the run's data settings")
     overrides = [f"data.path={data}", "data.eval_path=null", "data.eval_fraction=0", f"output_dir={out}"]
     overrides += ["train.eval_samples=0", "train.eval_steps=null", "hub.push=false", "data.max_samples=null"]
+    overrides += ["runtime.device=auto"]  # where eval runs: the TPU here, else the CPU backend
     overrides += [f"data.format={fmt}"] if fmt else []
     overrides += [f"data.split={split}"] if split else []
-    return with_overrides(saved, overrides)
+    return as_run_here(with_overrides(saved, overrides))[0]
 
 
 def evaluate_directory(

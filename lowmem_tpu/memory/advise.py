@@ -184,7 +184,7 @@ class MemoryReport:
 
 def plan_recipe(recipe: Recipe, device: str, config: Any) -> MemoryReport:
     """Plan ``recipe`` on ``device`` (a name from :data:`DEVICES` or ``cpu``) for the model ``config``
-    (``model.loading.require_config``: the caller reads it, so the planner imports no model code)."""
+    (``model.build.require_config``: the caller reads it, so the planner imports no model code)."""
     target = find_device(device, recipe.runtime.num_cpu_devices, host_memory())
     shape = shape_of(config)
     data = recipe.data

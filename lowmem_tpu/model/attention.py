@@ -181,7 +181,7 @@ _flash_kernel: Any = None
 
 
 def provide_flash(kernel: Any) -> None:
-    """The runtime (``xla.attention``, on a TPU) hands over the kernel behind ``flash``."""
+    """The runtime (``xla.flash``, on a TPU) hands over the kernel behind ``flash``."""
     global _flash_kernel
     _flash_kernel = kernel
 

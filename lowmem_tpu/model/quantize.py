@@ -5,7 +5,7 @@ pass; the full-precision weight of one projection exists on each chip only while
 (``gather``, set by the sharding code) an int8/int4 layer gathers its packed weight and scales whole before
 dequantizing, so the all-gather moves the packed bytes. An NF4 layer gathers its block maxima only: each
 chip dequantizes its own shard of the indices and the bf16 weight is gathered. The all-gather then moves 4x
-the bytes, but each of N chips dequantizes 1/N of the weight, not all of it (docs/speed.md: the step by
+the bytes, but each of N chips dequantizes 1/N of the weight, not all of it (docs/speed_calibration.md: the step by
 libtpu's cost model, both ways).
 
 - int8: symmetric, one scale per output row (``w ~ q * scale``, ``q`` in [-127, 127]).
@@ -16,7 +16,7 @@ libtpu's cost model, both ways).
   (``model.nf4``).
 
 int8/int4 scales are kept in the model's dtype; the integers are rounded against the stored scale,
-so the scale's own rounding adds no error. ``model.loading`` quantizes a checkpoint while it
+so the scale's own rounding adds no error. ``model.build`` quantizes a checkpoint while it
 is read, one tensor at a time, so the full-precision model never exists in memory as a whole.
 """
 

@@ -130,7 +130,7 @@ def _method(recipe: dict[str, Any]) -> str:
 
 
 def _reference(recipe: dict[str, Any]) -> str:
-    """A DPO run's reference, as ``train.preference`` made it."""
+    """A DPO run's reference, as ``train.dpo`` made it."""
     lora = (recipe.get("lora") or {}).get("enabled", True)
     precomputed = (recipe.get("preference") or {}).get("precompute_ref_log_probs")
     what = "the base model" if lora else "the starting model"

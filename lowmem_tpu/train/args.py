@@ -35,7 +35,7 @@ def preference_args(recipe: Recipe, micro_batch: int) -> DPOConfig:
         label_smoothing=p.label_smoothing,
         max_length=None,
         disable_dropout=True,
-        precompute_ref_log_probs=reference_precomputed(recipe),  # computed on the devices (train.preference)
+        precompute_ref_log_probs=reference_precomputed(recipe),  # computed on the devices (train.dpo)
     )
 
 

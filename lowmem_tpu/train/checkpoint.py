@@ -27,6 +27,7 @@ import torch
 import yaml
 
 from lowmem_tpu import faults, hosts
+from lowmem_tpu.config.validate import without_removed
 from lowmem_tpu.errors import NonFiniteError, UserError
 from lowmem_tpu.files import (
     check_room,  # the disk check, before each save too (trainer: ckpt.check_room)
@@ -144,7 +145,7 @@ def _problem(path: Path) -> str | None:
 
 def recipe_changes(checkpoint: Path, recipe_data: dict[str, Any]) -> list[str]:
     """Field-by-field differences in the fields a resumed run must keep."""
-    saved = yaml.safe_load((checkpoint / RECIPE).read_text())
+    saved = without_removed(yaml.safe_load((checkpoint / RECIPE).read_text()))  # a run saved before a key went
     changes = []
     for field in FROZEN_FIELDS:
         before, after = _lookup(saved, field), _lookup(recipe_data, field)

@@ -5,7 +5,7 @@
 
 :class:`XlaTrainerMixin` is what any TRL trainer needs on this stack (wrapping, the optimizer,
 checkpoints, resume, logging); :class:`XlaSFTTrainer` mixes it into ``SFTTrainer`` and adds SFT's
-collator and loss; ``train.preference.XlaDPOTrainer`` mixes it into ``DPOTrainer``.
+collator and loss; ``train.dpo.XlaDPOTrainer`` mixes it into ``DPOTrainer``.
 
 The traps of plain TRL on XLA, listed here and nowhere else; code and docs name them (trap ``NAME``):
 
@@ -44,11 +44,11 @@ The traps of plain TRL on XLA, listed here and nowhere else; code and docs name 
   on XLA each read runs the graph that makes it (the forward pass again) and each masked sum has a shape
   set by the data (a compile per batch). TRL's ``_compute_loss`` runs unchanged on host copies of the
   forward passes' outputs, made on the devices (every live tensor then device data), the gradient flowing
-  back through the copies (``train.preference.OnDevice``).
+  back through the copies (``train.dpo.OnDevice``).
 - ``dpo-reference-hash``: with ``precompute_ref_log_probs`` TRL's DPOTrainer hashes every weight on the host
   when it is built (its cache key), a sharded model brought to one host; without it and without adapters TRL
   loads a second copy of the model as the reference. The flag is set and the hash skipped: the reference's
-  log-probabilities are computed on the devices when training starts (``train.preference``).
+  log-probabilities are computed on the devices when training starts (``train.dpo``).
 - ``loader-threads``: torch_xla's device loader starts prefetching threads at each iteration; a run that
   stops mid-epoch leaves them blocked on a full queue, batches held, for the life of the process: they
   are closed after ``train()``.

@@ -12,8 +12,8 @@ not supported: generation uses sdpa. A model's sliding window is taken only wher
 (rows no longer than the window: ``config.features.Attention``), a soft-cap never. A head size that
 is not a multiple of 128 lanes (Open Llama's is 100) is zero-padded to the next multiple and sliced
 back (q.k and the output are unchanged), at that compute cost.
-On the CPU backend the kernel cannot run ("Only interpret mode is supported on CPU backend"):
-the recipe refuses ``flash`` there and names ``chunked``.
+On the CPU backend the kernel cannot run ("Only interpret mode is supported on CPU backend"): a run
+there computes the same attention with ``chunked`` (``preflight.as_run_here``) and says so.
 """
 
 from __future__ import annotations

@@ -65,6 +65,11 @@ def cpu_xla_flags(existing: str) -> str:
     return _with_flags(existing, CPU_XLA_FLAGS)
 
 
+def without_cpu_flags(flags: str) -> str:
+    """``XLA_FLAGS`` less the ones :func:`cpu_xla_flags` adds: what the TPU compiler is handed (the user's own)."""
+    return " ".join(flag for flag in flags.split() if flag not in CPU_XLA_FLAGS)
+
+
 def with_libtpu_flags(existing: str) -> str:
     """``LIBTPU_INIT_ARGS`` with :data:`LIBTPU_FLAGS` added after the user's, unless the user set them."""
     return _with_flags(existing, LIBTPU_FLAGS)

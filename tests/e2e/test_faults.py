@@ -73,4 +73,5 @@ def test_a_dpo_run_killed_inside_its_second_save_resumes_bit_for_bit(references,
     again = matrix.sft(out, "dpo")
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"resuming from {out / 'checkpoints' / 'step-2'}" in again.stdout
+    assert "reference log-probabilities" not in again.stdout  # LoRA's reference: the base, adapters switched off
     assert matrix.weight_difference(references("dpo"), out / "final") is None

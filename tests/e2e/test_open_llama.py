@@ -44,8 +44,7 @@ def test_a_tokenizer_larger_than_the_embedding_is_refused(model_dir, tmp_path):
 # ----------------------------------------------------------------------------- training, end to end
 
 STEPS = [
-    "runtime.device=cpu",
-    "model.attn_implementation=chunked",  # the LoRA recipes' flash is the TPU's kernel; chunked is the same math
+    "runtime.device=cpu",  # the recipes' flash is the TPU's kernel: a run here computes it with chunked
     "runtime.num_cpu_devices=4",
     "data.max_length=128",
     "train.global_batch_size=8",
@@ -68,10 +67,13 @@ def sft(recipe: str, tmp_path: Path, model_dir: Path, alpaca: Path, *overrides: 
 
 
 @pytest.mark.slow
-def test_lora_on_the_bf16_base_through_the_shipped_recipe(model_dir, alpaca, tmp_path):
+def test_lora_on_the_bf16_base_through_the_shipped_recipe(model_dir, alpaca, tmp_path, capsys):
     extra = ["train.max_steps=6", "data.chat_template=chatml"]  # a template for later chat use, saved in final/
     extra += ["data.eval_fraction=0.25", "train.eval_steps=3"]  # evaluated on records never trained on
     run = sft("recipes/open_llama_lora.yaml", tmp_path, model_dir, alpaca, *extra)
+    # The recipe's flash, rehearsed on the CPU backend: computed with chunked, said, and recorded as run.
+    assert "on the CPU backend: model.attn_implementation=chunked" in capsys.readouterr().out
+    assert "attn_implementation: chunked" in (run.final_dir / "recipe.yaml").read_text()
     losses = [e["loss"] for e in run.metrics["train"]["losses"]]
     assert abs(losses[0] - math.log(400)) < 0.5  # a random 400-token model starts near ln(400)
     evaluated = [e["step"] for e in run.metrics["train"]["log"] if "eval_loss" in e]

@@ -38,7 +38,6 @@ RUN = [
     "train.eval_samples=0",
     "data.eval_path=null",
     "lora.dropout=0.1",  # dropout draws from the XLA RNG, which a checkpoint must restore
-    "data.max_samples=512",  # the steps read at most 16 x 8 of them (sft_cli runs 8): tokenize no more
 ]
 MODES = {
     "lora": [],

@@ -11,8 +11,9 @@ from pathlib import Path
 import fault_matrix as matrix
 
 # The fault matrix's runs (checkpoints every 2 steps, two kept, 2 micro-batches a step: SIGTERM usually lands
-# between them, dropout from the XLA RNG a checkpoint must restore), 8 steps long.
-RUN = [*(o for o in matrix.RUN if not o.startswith("train.max_steps=")), "train.max_steps=8"]
+# between them, dropout from the XLA RNG a checkpoint must restore), 8 steps long, reading the 16 x 8 records
+# they train on and no more.
+RUN = [*(o for o in matrix.RUN if not o.startswith("train.max_steps=")), "train.max_steps=8", "data.max_samples=512"]
 
 FAKE_TOKEN = "hf_lowmemTestTokenNeverWritten0123456789"
 

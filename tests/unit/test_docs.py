@@ -64,5 +64,5 @@ def test_a_commit_subject_over_72_characters_is_refused(tmp_path):
     """tools/commit_subjects.py: what `make check` runs over the history and the commit-msg hook over a message."""
     message = tmp_path / "MSG"
     for subject, code in (("x" * 72, 0), ("x" * 73, 1)):
-        message.write_text(f"# a comment git strips\n{subject}\n\nthe why, as long as it needs\n")
+        message.write_text(f"\n# a comment git strips\n{subject}\n\nthe why, as long as it needs\n")
         assert _tool("commit_subjects", "--message", str(message)).returncode == code

@@ -22,6 +22,7 @@ from lowmem_tpu.config import (
     load_recipe,
     read_recipe_file,
     validate_recipe,
+    with_overrides,
 )
 from lowmem_tpu.config.assets import BUILTIN, builtin_names
 from lowmem_tpu.config.read import default_recipe_path
@@ -503,10 +504,15 @@ def test_a_starting_adapters_lora_settings_replace_the_recipes(tmp_path):
 
 
 def test_a_key_recipes_no_longer_have_names_what_replaces_it():
+    """At its old default (what every run's saved recipe.yaml spells out) it is dropped; any other value is told
+    what replaces it."""
+    old = load_recipe(TINY).model_dump(mode="json")
+    old["data"] |= {"text_field": "text", "messages_field": "messages"}
+    old["sharding"]["offload_activations"] = False
+    assert with_overrides(old, []) == load_recipe(TINY).model_copy(update={"extends": None})
     found = problems_of(["data.text_field=body", "sharding.offload_activations=true"])
     assert found == [
         "data.text_field: no longer a recipe key: name the column with data.columns: {text: COLUMN}",
         "sharding.offload_activations: no longer a recipe key: host offload saved no HBM per the TPU compiler; "
         "remove it (docs/memory.md lists the levers that do)",
     ]
-

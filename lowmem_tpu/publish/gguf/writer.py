@@ -4,7 +4,7 @@ Tensors are read one at a time from the checkpoint, renamed with the ``gguf`` pa
 the architecture, changed where llama.cpp computes differently from transformers (the rotary halves of
 Llama's q/k rows interleaved; Gemma's norms stored as 1 + weight), and written as the asked type: 1-D
 tensors stay float32; Q8_0 rows whose length is not a multiple of 32 fall back to F16, as llama.cpp's
-own converter does. The architecture's hyper-parameters and the tokenizer (``gguf_vocab``) go in the
+own converter does. The architecture's hyper-parameters and the tokenizer (``gguf.vocab``) go in the
 metadata, with the chat template.
 """
 
