@@ -37,7 +37,14 @@ from lowmem_tpu.measure.tpu_compile import (
     compile_traced,
     trace_step,
 )
-from lowmem_tpu.measure.tpu_layers import WHOLE_LIMIT, compile_points, extrapolate, layer_points, layers_of
+from lowmem_tpu.measure.tpu_layers import (
+    WHOLE_LIMIT,
+    compile_points,
+    extrapolate,
+    layer_points,
+    layers_of,
+    trace_cut,
+)
 from lowmem_tpu.measure.tpu_report import compile_beside_plan
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,13 +78,16 @@ def main() -> int:
     parser.add_argument(
         "--line-check",
         action="store_true",
-        help="compile --only recipes at 2 and 4 layers: the line's error against their whole compile in --out",
+        help="compile --only recipes at 2 and 4 layers: the line's error against their whole compile in --out, "
+        "or against compiles at --at layers",
     )
+    parser.add_argument("--at", type=int, nargs="*", default=[], help="with --line-check: layer counts to compile")
+    parser.add_argument("--checks", type=Path, default=ROOT / "benchmarks" / "results" / "line_check.json")
     args = parser.parse_args()
     cleanup_on_sigterm()
     recorded = json.loads(args.out.read_text()) if args.out.exists() else {}
     if args.line_check:
-        return line_check(args.only or [], recorded, args.timeout)
+        return line_check(args.only or [], recorded, args.timeout, args.at, args.checks)
     rows, records, failed, blocked = [], {}, [], []
     for name, device, path in targets():
         if args.only is not None and name not in args.only:
@@ -144,28 +154,61 @@ def _compiled(name: str, device: str, path: Path, recorded: dict | None, timeout
     return record | extra | {"program_key": traced.key, "wall_seconds": round(time.perf_counter() - started, 1)}
 
 
-def line_check(names: list[str], recorded: dict, timeout: float) -> int:
-    """How far the 2- and 4-layer line lands from recipes compiled whole (the check of the extrapolation)."""
-    print("| recipe | target | whole step, compiled | the line through 2 and 4 layers | error |")
-    print("|---|---|---|---|---|")
+def line_check(names: list[str], recorded: dict, timeout: float, at: list[int], out: Path) -> int:
+    """How far the line through the cut compiles (2 and 4 layers; K and 2K for every_K) lands from a compile at
+    more layers: each of ``at`` (or the whole step, from ``recorded``): what the chip holds, the compiler's
+    cycles and the interconnect's bytes. Writes them into ``out`` (benchmarks/results/line_check.json), the
+    record measure.tpu_layers.LINE_ERROR is held against."""
+    checks = json.loads(out.read_text()) if out.exists() else {}
+    print("| recipe | target | layers | compiled: held | the line | error | cycles error | interconnect error |")
+    print("|---|---|---|---|---|---|---|---|")
     for name, device, path in targets():
-        whole = recorded.get(f"{name}@{device}", {})
-        if name not in names or not whole.get("needed") or whole.get("extrapolated_from"):
+        if name not in names:
             continue
         recipe = load_recipe(str(path), ["runtime.device=tpu"])
+        target = compile_target(device)
         with tempfile.TemporaryDirectory(prefix="lowmem-line-") as tmp:
-            points = compile_points(recipe, compile_target(device), Path(tmp), timeout)
-        line = extrapolate(points, layers_of(recipe)).needed
-        error = (line - whole["needed"]) / whole["needed"]
-        print(f"| {name} | {device} | {size(whole['needed'])} | {size(line)} | {error:+.1%} |", flush=True)
-        for n, point in points.items():
-            print(f"  {n} layers: {size(point.needed)}, host peak {size(point.host_peak_rss_bytes)}", file=sys.stderr)
+            points = compile_points(recipe, target, Path(tmp), timeout)
+            references = {
+                n: compile_traced(
+                    trace_cut(recipe, target, n, Path(tmp), timeout), target, Path(tmp) / f"at-{n}", timeout
+                )
+                for n in at
+            }
+        if not at:
+            whole = recorded.get(f"{name}@{device}", {})
+            if not whole.get("needed") or whole.get("extrapolated_from"):
+                print(f"  {name}@{device}: no whole compile recorded; give --at N", file=sys.stderr)
+                continue
+            references = {layers_of(recipe): whole}
+        for n, reference in references.items():
+            check = _line_against(extrapolate(points, n), reference)
+            checks[f"{name}@{device}@{n}"] = {"recipe": name, "device": device, "layers": n} | check
+            print(
+                f"| {name} | {device} | {n} | {size(check['held'][0])} | {size(check['held'][1])} "
+                f"| {check['held'][2]:+.2%} | {check['cycles'][2]:+.2%} | {check['received'][2]:+.2%} |",
+                flush=True,
+            )
+    out.write_text(json.dumps(checks, indent=2) + "\n")
     return 0
+
+
+def _line_against(line, reference) -> dict:
+    """(compiled, the line, the line's error) for what the chip holds, the cycles and the interconnect bytes."""
+    reference = reference if isinstance(reference, dict) else _point(reference) | {"step": reference.step}
+    line_point = _point(line) | {"step": line.step}
+    held = [p["needed"] + p.get("generated_code", 0) for p in (reference, line_point)]
+    cycles = [p["step"].get("cycles", 0) for p in (reference, line_point)]
+    received = [sum(p["step"].get("received", {}).values()) for p in (reference, line_point)]
+    return {
+        key: [a, b, (b - a) / a if a else 0.0]
+        for key, (a, b) in (("held", held), ("cycles", cycles), ("received", received))
+    }
 
 
 def _point(result) -> dict:
     """One compile at fewer layers, as the record keeps it."""
-    keys = ("needed", "arguments", "temporaries", "compile_seconds", "host_peak_rss_bytes")
+    keys = ("needed", "arguments", "temporaries", "generated_code", "compile_seconds", "host_peak_rss_bytes")
     return {key: getattr(result, key) for key in keys}
 
 

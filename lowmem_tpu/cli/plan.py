@@ -54,9 +54,14 @@ def memory(
             show_default=False,
         ),
     ] = None,
+    measure: Annotated[bool, typer.Option("--measure", hidden=True)] = False,
+    device: Annotated[str | None, typer.Option("--device", hidden=True)] = None,
 ) -> None:
     """Plan per-device memory of the recipe and its twin (LoRA <-> full); say what to turn on if it does not fit.
-    With --compile: the compiler's verdict on the real step for the same device."""
+    With --compile: the compiler's verdict on the real step for the same device (--json: the compiler's record
+    for a TPU; the plans and the compiled figures under "compiled" for cpu)."""
+    if measure or device:
+        raise UserError("memory: --measure is --compile --target cpu, and --device is --target (the TPU, or cpu) now")
     from lowmem_tpu.memory.advise import format_report, plan_recipe, report_json
     from lowmem_tpu.model.build import require_config
     from lowmem_tpu.xla.tpu import default_device
@@ -69,6 +74,8 @@ def memory(
     if compile_ and target != "cpu":
         _compile_tpu(loaded, target, as_json, fill)
         return
+    if fill is not None:
+        raise UserError("--fill: the share of real tokens for a TPU's step estimate (--compile --target TPU)")
     report = plan_recipe(loaded, target, require_config(loaded))
     measured = _compile_cpu(loaded) if compile_ else None
     if as_json:
@@ -147,12 +154,13 @@ def tune(
         str,
         typer.Option(
             "--keep",
-            help="Knobs held as the recipe has them, comma-separated: rows, checkpointing, attention, packing.",
+            help="Knobs held as the recipe has them, comma-separated: placement, rows, checkpointing, attention, "
+            "packing.",
         ),
     ] = "",
 ) -> None:
-    """Find the fastest settings that fit the target (micro-batch x checkpointing x attention x packing),
-    each compiled by the TPU compiler, and write them as a new recipe that extends this one."""
+    """Find the fastest settings that fit the target (where the weights live x micro-batch x checkpointing x
+    attention x packing), each compiled by the TPU compiler, and write them as a new recipe that extends this one."""
     import json
 
     from lowmem_tpu.config.rules import parse_duration

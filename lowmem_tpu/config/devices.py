@@ -30,6 +30,11 @@ class Generation:
     # peak: MXUs x 128 x 128 multiply-adds x 2 x clock (v5e: 4 MXUs, 197e12 / 131072 = 1.5 GHz; v4 and
     # v5p: 8 MXUs per chip). None where the MXU count is not settled (v6e's is given as 2 and as 4).
     clock_hz: float | None = None
+    # The interconnect, per chip, as Google's Cloud TPU pages publish it (docs.cloud.google.com/tpu/docs/v5e,
+    # v5p, v6e: "Bidirectional inter-chip interconnect (ICI) bandwidth (per chip)", "ICI ports per chip"): the
+    # bytes/s in and out together over all of its ports. None where no per-chip figure is published (v4).
+    ici_bandwidth: float | None = None
+    ici_ports: int | None = None
 
 
 # A TPU vector register's lane count: every TPU generation tiles an array's last dimension in 128 lanes.
@@ -48,9 +53,13 @@ GENERATIONS = {
         Generation("v2", "TPU v2", 8 * GiB, _g(7.48), 22.5e12, 350e9, devices_per_chip=2),
         Generation("v3", "TPU v3", 16 * GiB, _g(15.48), 61.5e12, 450e9, devices_per_chip=2),
         Generation("v4", "TPU v4", 32 * GiB, _g(30.75), 275e12, 1228e9, clock_hz=1.05e9),
-        Generation("v5e", "TPU v5 lite", 16 * GiB, _g(15.75), 197e12, 819e9, clock_hz=1.5e9),
-        Generation("v5p", "TPU v5", 95 * GiB, 95 * GiB, 459e12, 2765e9, clock_hz=1.75e9),
-        Generation("v6e", "TPU v6 lite", 32 * GiB, _g(31.25), 918e12, 1640e9),
+        Generation(
+            "v5e", "TPU v5 lite", 16 * GiB, _g(15.75), 197e12, 819e9, clock_hz=1.5e9, ici_bandwidth=400e9, ici_ports=4
+        ),
+        Generation(
+            "v5p", "TPU v5", 95 * GiB, 95 * GiB, 459e12, 2765e9, clock_hz=1.75e9, ici_bandwidth=1200e9, ici_ports=6
+        ),
+        Generation("v6e", "TPU v6 lite", 32 * GiB, _g(31.25), 918e12, 1640e9, ici_bandwidth=800e9, ici_ports=4),
     )
 }
 
@@ -67,6 +76,19 @@ class Device:
     legacy: bool = False  # no longer offered by Kaggle or Colab
     topology: str | None = None  # libtpu's name for its chips ("v5e:2x4"): what `memory --compile` compiles for
     host_bounds: tuple[int, int, int] = (1, 1, 1)  # chips per host along each axis of the topology
+
+    @property
+    def ici_in_bandwidth(self) -> float | None:
+        """Bytes/s the slowest chip of the slice can receive over the interconnect: half the published
+        bidirectional figure, over the ports it has neighbours on. A slice smaller than a whole pod (every VM
+        in the catalog) has no wraparound: a corner chip has one neighbour along each axis longer than one
+        (a v5e-8's 2x4: 2 of 4 ports). None on one chip, on the CPU backend and where the figure is unknown."""
+        chip = GENERATIONS.get(self.generation)
+        if chip is None or not chip.ici_bandwidth or not chip.ici_ports or not self.topology:
+            return None
+        axes = [int(n) for n in self.topology.split(":")[1].split("x")]
+        neighbours = sum(1 for n in axes if n > 1)
+        return chip.ici_bandwidth / 2 * neighbours / chip.ici_ports if neighbours else None
 
     @property
     def peak_flops(self) -> float | None:

@@ -8,7 +8,7 @@ placeholder weights (``trace``) and hands the program to ``libtpu``, libtpu's co
 its own subprocess: the only module here that imports jax. ``tpu_layers`` compiles a step too large
 for this machine at 2 and 4 layers and extrapolates; ``tpu_report`` puts the compiler's figures beside
 the plan; ``buffers`` reads XLA's buffer assignments and out-of-memory messages; ``compare`` measures
-LoRA beside full fine-tuning; ``hlo_cost`` sums the TPU compiler's cycle estimates into the step's time;
-``tune`` searches the fastest settings that fit. It composes ``config``, ``model``, ``data``, ``xla``, ``train`` and
-``memory``; importing the package itself starts nothing.
+LoRA beside full fine-tuning; ``hlo_cost`` sums the TPU compiler's cycle estimates and ``collectives`` what
+the interconnect carries into the step's time; ``tune`` searches the fastest settings that fit. It composes
+``config``, ``model``, ``data``, ``xla``, ``train`` and ``memory``; importing the package itself starts nothing.
 """

@@ -274,7 +274,7 @@ class _Walk:
                     c, f, b = self.cost(called, trips)
                     cycles, flops, traffic = cycles + n * c, flops + n * f, traffic + n * b
             elif op in ("call", "conditional"):
-                names = instruction.called("to_apply") or _branches(instruction)
+                names = instruction.called("to_apply") or branches(instruction)
                 parts = [self.cost(called, trips) for called in names]
                 if parts:  # a conditional runs one branch: the costliest is counted
                     c, f, b = max(parts)
@@ -295,7 +295,7 @@ class _Walk:
         return self._fused[name]
 
 
-def _branches(instruction: Instruction) -> list[str]:
+def branches(instruction: Instruction) -> list[str]:
     found = _BRANCHES.search(instruction.attributes)
     return re.findall(r"%([\w.\-]+)", found.group(1)) if found else []
 
@@ -345,7 +345,7 @@ def kernels(computations: dict[str, dict[str, Instruction]], entry: str) -> list
                 for called in instruction.called("body"):
                     visit(called, times * n)
             elif instruction.op in ("call", "conditional"):
-                for called in instruction.called("to_apply") or _branches(instruction):
+                for called in instruction.called("to_apply") or branches(instruction):
                     visit(called, times)
 
     visit(entry, 1)

@@ -15,9 +15,7 @@ import hashlib
 import importlib.metadata
 import importlib.util
 import json
-import math
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -31,11 +29,17 @@ from lowmem_tpu.config.devices import DEVICES, Device
 from lowmem_tpu.console import size
 from lowmem_tpu.errors import UserError
 from lowmem_tpu.machine import host_memory, meminfo
-from lowmem_tpu.measure.buffers import OutOfMemory, hbm_allocations, optimized_hlo, out_of_memory
+from lowmem_tpu.measure.buffers import OutOfMemory, hbm_allocations, out_of_memory
 from lowmem_tpu.memory.tiles import tpu_shard_bytes
 
 EXTRA = 'pip install -c constraints.txt -e ".[compiler]"'
 TRACE_FLAGS = "--xla_dump_to={dir} --xla_dump_hlo_pass_re=NONE --xla_dump_hlo_as_proto --xla_dump_hlo_as_text"
+
+
+# What a fitting program leaves free of the chip's usable HBM (the compiler's own ceiling, 15.75 GiB on v5e):
+# TPU runtimes refuse a program that finds no contiguous block beside the arguments ("Attempting to reserve
+# ... at the bottom of memory. That was not possible") and reserve memory of their own at load.
+MARGIN = 2**30
 
 
 @dataclass(frozen=True)
@@ -67,16 +71,20 @@ class TpuCompile:
     generated_code: int = 0
     cost: dict[str, float] = field(default_factory=dict)
     compiler_stats: dict[str, int] = field(default_factory=dict)  # get_compiled_memory_stats(), as reported
-    # Bytes the optimized program's all-gathers produce on one chip, by element type, each instruction once
-    # (a loop body's counted once; extrapolated records keep the larger compile's): a quantized base gathers
-    # its packed u8 weights, never bf16/f32 ones.
+    # Bytes the optimized program's all-gathers produce on one chip in a step, by element type: each logical
+    # gather once (measure.collectives), times its loop's trips: a quantized base gathers its packed u8
+    # weights, never bf16/f32 ones.
     gathered: dict[str, int] = field(default_factory=dict)
     # The step's cost summed over the optimized program with loop trip counts (measure.hlo_cost):
-    # cycles, flops, hbm_bytes, flops_once (loop bodies once, as cost_analysis), loops, kernels.
+    # cycles, flops, hbm_bytes, flops_once (loop bodies once, as cost_analysis), loops, kernels; and
+    # ``received``, the bytes one chip receives over the interconnect by kind of collective.
     step: dict[str, Any] = field(default_factory=dict)
     refused: OutOfMemory | None = None
     error: str | None = None
     extrapolated_from: tuple[int, ...] = ()  # layer counts compiled, when the whole step was too big to compile here
+    # An extrapolated figure's uncertainty: the largest share by which the line missed a whole compile of
+    # its kind of step (measure.tpu_layers.LINE_ERROR); 0 for a step compiled whole.
+    line_error: float = 0.0
 
     @property
     def needed(self) -> int:
@@ -88,8 +96,21 @@ class TpuCompile:
         return self.arguments + self.outputs - self.aliased + self.temporaries + beside
 
     @property
+    def held(self) -> int:
+        """What the chip holds for the program: its buffers, its generated code (in HBM too) and, for an
+        extrapolated figure, the line's error on them."""
+        return self.needed + self.generated_code + round(self.line_error * self.needed)
+
+    @property
+    def free(self) -> int:
+        """The usable HBM left beside the program (negative: over)."""
+        return self.capacity - self.held
+
+    @property
     def fits(self) -> bool:
-        return self.refused is None and self.error is None and self.needed <= self.capacity
+        """The program fits with :data:`MARGIN` of the chip's usable HBM free: a runtime loads a program only
+        where one contiguous block holds it beside the live buffers, and holds memory of its own."""
+        return self.refused is None and self.error is None and self.free >= MARGIN
 
 
 def compile_target(name: str) -> Device:
@@ -213,18 +234,25 @@ def compile_traced(traced: TracedStep, device: Device, work: Path, timeout: floa
         generated_code=stats["generated_code_size_in_bytes"],
         cost=compiled.get("cost", {}),
         compiler_stats=stats,
-        gathered=all_gather_bytes(optimized_hlo(buffer_assignment(tpu_dir)).read_text()),
-        step=program_cost(work / "tpu.hlo.txt"),
+        **program_cost(work / "tpu.hlo.txt", device.devices),
     )
 
 
-def program_cost(program: Path) -> dict[str, Any]:
-    """The optimized program's cost with trip counts (empty when the compiler wrote no program)."""
+def program_cost(program: Path, chips: int) -> dict[str, Any]:
+    """The optimized program's cost with trip counts (``step``: measure.hlo_cost's sums and ``received``, the
+    bytes one chip receives by kind of collective) and the bytes its all-gathers produce (``gathered``);
+    empty when the compiler wrote no program."""
     from dataclasses import asdict
 
+    from lowmem_tpu.measure.collectives import collectives, gathered_by_dtype, received_by_kind
     from lowmem_tpu.measure.hlo_cost import step_cost
 
-    return asdict(step_cost(program.read_text())) if program.exists() else {}
+    if not program.exists():
+        return {}
+    text = program.read_text()
+    found = collectives(text, chips)
+    step = asdict(step_cost(text)) | {"received": received_by_kind(found)}
+    return {"step": step, "gathered": gathered_by_dtype(found)}
 
 
 def compile_recipe(recipe: Recipe, device: Device, timeout: float = 3600, keep: Path | None = None) -> TpuCompile:
@@ -261,20 +289,23 @@ def _package_version(name: str) -> str:
         return "none"
 
 
+def compiler_env(dump: Path) -> dict[str, str]:
+    """The environment of libtpu's compile: the user's XLA flags (not those a CPU run adds for XLA:CPU) with the
+    dump into ``dump``, the libtpu flags a run on a TPU has, jax's default backend the CPU (never the chips)."""
+    from lowmem_tpu.measure.local import with_user_flags
+    from lowmem_tpu.xla.runtime import with_libtpu_flags, without_cpu_flags
+
+    flags = without_cpu_flags(with_user_flags(f"--xla_dump_to={dump}"))
+    env = os.environ | {"XLA_FLAGS": flags, "TF_CPP_MIN_LOG_LEVEL": "3", "JAX_PLATFORMS": "cpu"}
+    return env | {"LIBTPU_INIT_ARGS": with_libtpu_flags(os.environ.get("LIBTPU_INIT_ARGS", ""))}
+
+
 def _compile(request: dict[str, Any], work: Path, dump: Path, timeout: float) -> dict[str, Any]:
     """:mod:`lowmem_tpu.measure.libtpu` in a subprocess, stopped before it exhausts the host's RAM."""
     (work / "request.json").write_text(json.dumps(request))
     command = [sys.executable, "-m", "lowmem_tpu.measure.libtpu", str(work / "request.json"), str(work / "tpu.json")]
-    from lowmem_tpu.measure.local import with_user_flags
-    from lowmem_tpu.xla.runtime import CPU_XLA_FLAGS, with_libtpu_flags
-
-    # The user's XLA flags reach the TPU compiler; the ones a CPU run sets for XLA:CPU do not.
-    user = " ".join(flag for flag in with_user_flags(f"--xla_dump_to={dump}").split() if flag not in CPU_XLA_FLAGS)
-    env = os.environ | {"XLA_FLAGS": user, "TF_CPP_MIN_LOG_LEVEL": "3"}
-    env["LIBTPU_INIT_ARGS"] = with_libtpu_flags(os.environ.get("LIBTPU_INIT_ARGS", ""))  # as a run on a TPU
-    env["JAX_PLATFORMS"] = "cpu"  # jax's default backend: never the chips (a run may hold them); topologies need none
     with open(work / "tpu.log", "w") as log:
-        child = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+        child = subprocess.Popen(command, env=compiler_env(dump), stdout=log, stderr=subprocess.STDOUT, text=True)
         peak, stopped = _watch(child, timeout)
     result = work / "tpu.json"
     if stopped:
@@ -339,19 +370,6 @@ def _rss(pid: int) -> int:
     except OSError:
         pass
     return 0
-
-
-ALL_GATHER = re.compile(r"= (\w+)\[([\d,]*)\]\S* all-gather(?:-start)?\(")
-ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f32": 4}
-
-
-def all_gather_bytes(program: str) -> dict[str, int]:
-    """Bytes of every all-gather's result in an optimized HLO text, by element type (one chip's view)."""
-    totals: dict[str, int] = {}
-    for dtype, dims in ALL_GATHER.findall(program):
-        count = math.prod(int(d) for d in dims.split(",") if d)
-        totals[dtype] = totals.get(dtype, 0) + count * ITEMSIZE.get(dtype, 8)
-    return dict(sorted(totals.items()))
 
 
 def buffer_assignment(dump: Path) -> Path:

@@ -11,7 +11,7 @@ from lowmem_tpu.config.devices import DEVICES
 from lowmem_tpu.config.schema import reference_precomputed
 from lowmem_tpu.console import size
 from lowmem_tpu.data.fill import Fill
-from lowmem_tpu.measure.tpu_compile import TpuCompile, compile_recipe, compile_target
+from lowmem_tpu.measure.tpu_compile import MARGIN, TpuCompile, compile_recipe, compile_target
 
 # ----------------------------------------------------------------------------- the step's cost
 
@@ -41,10 +41,18 @@ def step_estimate(
     fill: float | None,
     fill_source: str = "",
 ) -> dict[str, Any]:
-    """The step on one chip by the TPU compiler's own cost model: its ``estimated_cycles`` summed over the
-    optimized program with loop trip counts (measure.hlo_cost) at the chip's clock, plus each Pallas
-    kernel from its shapes. From it: MFU (the model's flops, recomputation not counted) and tokens/s/chip
-    (``positions_per_chip``, a row's every position; useful ones at ``fill``, the share that is not padding)."""
+    """The step on one chip, three ways, each a lower bound of what it costs:
+
+    - compute: the TPU compiler's own cost model, its ``estimated_cycles`` summed over the optimized program
+      with loop trip counts (measure.hlo_cost) at the chip's clock, plus each Pallas kernel from its shapes;
+    - interconnect: the bytes one chip receives in the step's collectives (measure.collectives) at what the
+      slowest chip of the slice can receive (``Device.ici_in_bandwidth``, the published bandwidth);
+    - HBM: the bytes the program reads and writes in HBM at the chip's HBM bandwidth.
+
+    The step is the largest (the others overlapped with it, as the compiler schedules them), the sum beside
+    it the pessimistic bound (nothing overlapped). From the step: MFU (the model's flops, recomputation not
+    counted) and tokens/s/chip (``positions_per_chip``, a row's every position; useful ones at ``fill``, the
+    share that is not padding). No TPU run is behind any of it."""
     device = DEVICES[result.device]
     step = result.step
     if not step:
@@ -53,21 +61,35 @@ def step_estimate(
         return {"reported": False, "why": f"the {device.generation} TensorCore clock is not known here"}
     compiled = step["cycles"] / device.clock_hz
     kernels = [kernel_seconds(k, device) for k in step.get("kernels", [])]
-    seconds = compiled + sum(t for t, _ in kernels)
+    compute = compiled + sum(t for t, _ in kernels)
+    received = sum(step.get("received", {}).values())
+    bandwidth = device.ici_in_bandwidth
+    ici = received / bandwidth if bandwidth else 0.0
+    hbm = step["hbm_bytes"] / device.hbm_bandwidth
+    times = {"compute": compute, "interconnect": ici, "HBM": hbm}
+    seconds = max(times.values())
     out: dict[str, Any] = {
         "reported": True,
         "step_seconds": seconds,
+        "bound_by": max(times, key=times.__getitem__),
+        "sum_seconds": sum(times.values()),
+        "compute_seconds": compute,
         "compiled_seconds": compiled,
-        "kernel_seconds": seconds - compiled,
+        "kernel_seconds": compute - compiled,
         "kernels_costed_by": sorted({how for _, how in kernels}),
+        "ici_seconds": ici,
+        "ici_bytes_per_chip": received,
+        "ici_bytes_per_second": bandwidth,
+        "hbm_seconds": hbm,
         "flops_per_chip": step["flops"],
         "hbm_bytes_per_chip": step["hbm_bytes"],
-        "hbm_seconds": step["hbm_bytes"] / device.hbm_bandwidth,
         "positions_per_chip": positions_per_chip,
         "tokens_per_second_per_chip": positions_per_chip / seconds,
         "fill": fill,
         "fill_source": fill_source,
     }
+    if "received" not in step and device.devices > 1:
+        out["ici_unknown"] = "the record holds no collectives (compiled before they were counted): compile again"
     if fill is not None:
         out["useful_tokens_per_second_per_chip"] = fill * positions_per_chip / seconds
     if model_flops_per_chip:
@@ -96,7 +118,8 @@ def recipe_fill(recipe: Recipe) -> Fill:
 
 def compile_json(result: TpuCompile, planned_peak: int | None, cost: dict[str, Any]) -> dict[str, Any]:
     """``--json``: every figure in bytes, the verdict, and the plan's error against the compiler."""
-    out = asdict(result) | {"needed": result.needed, "fits": result.fits, "step_estimate": cost}
+    figures = {"needed": result.needed, "held": result.held, "free": result.free, "fits": result.fits}
+    out = asdict(result) | figures | {"margin": MARGIN, "step_estimate": cost}
     out["source"] = "the TPU compiler (libtpu compile-only) on the step traced on the CPU backend: not a run"
     if result.extrapolated_from:
         low, high = result.extrapolated_from
@@ -141,17 +164,26 @@ def format_compile(result: TpuCompile, planned_peak: int | None, cost: dict[str,
         if result.idle:
             rows.append(("weights the step never reads", result.idle))
         lines += [f"  {label:<44}{g(value):>11}" for label, value in rows]
-        room = result.capacity - result.needed
-        verdict = f"fits, {g(room)} free" if room >= 0 else f"does not fit, {g(-room)} short"
-        lines.append(f"  {'needed':<44}{g(result.needed):>11} of {g(result.capacity)}: {verdict}")
-        lines.append(f"  on-chip scratch (not HBM) {g(result.scratch)}; generated code {g(result.generated_code)}")
+        lines.append(f"  {'needed (buffers)':<44}{g(result.needed):>11}")
+        lines.append(f"  {'generated code (in HBM too)':<44}{g(result.generated_code):>11}")
+        if result.line_error:
+            error = round(result.line_error * result.needed)
+            label = f"the line's error ({result.line_error:.1%}, extrapolated)"
+            lines.append(f"  {label:<44}{g(error):>11}")
+        verdict = (
+            f"fits, {g(result.free)} free (at least {g(MARGIN)} kept free)"
+            if result.fits
+            else f"does not fit with {g(MARGIN)} kept free ({g(result.free)} free)"
+        )
+        lines.append(f"  {'held':<44}{g(result.held):>11} of {g(result.capacity)}: {verdict}")
+        lines.append(f"  on-chip scratch (not HBM) {g(result.scratch)}")
         if result.host:
             lines.append(f"  host memory (offloaded, not HBM) {g(result.host)}")
         if result.kernels:
             lines.append(f"  Pallas kernels in the step: {result.kernels} (compiled for the TPU by libtpu)")
         if result.gathered:
             gathers = ", ".join(f"{dtype} {g(n)}" for dtype, n in sorted(result.gathered.items(), key=lambda x: -x[1]))
-            lines.append(f"  all-gathered (each instruction once): {gathers}")
+            lines.append(f"  all-gathered per chip (each gather once per run): {gathers}")
     if planned_peak is not None:
         error = (planned_peak - result.needed) / result.needed if result.needed else 0.0
         lines.append(f"  the planner's peak: {g(planned_peak)} ({error:+.0%} against the compiler)")
@@ -172,12 +204,23 @@ def format_compile(result: TpuCompile, planned_peak: int | None, cost: dict[str,
 def estimate_lines(cost: dict[str, Any], micro: bool = False) -> list[str]:
     """The step estimate as the report prints it (``micro``: the program is one micro-batch's)."""
     unit = "micro-batch" if micro else "step"
-    step = f"  {unit} {cost['step_seconds'] * 1e3:.0f} ms by libtpu's cost model"
+    ms = {key: cost[f"{key}_seconds"] * 1e3 for key in ("step", "compute", "ici", "hbm", "sum")}
+    kernels = ""
     if cost["kernel_seconds"]:
-        step += (
-            f" ({cost['kernel_seconds'] * 1e3:.0f} ms of it Pallas kernels, by {', '.join(cost['kernels_costed_by'])})"
+        how = ", ".join(cost["kernels_costed_by"])
+        kernels = f", {cost['kernel_seconds'] * 1e3:.0f} ms of it Pallas kernels, by {how}"
+    lines = [
+        f"  {unit} {ms['step']:.0f} ms, bound by {cost['bound_by']} (the largest of: compute {ms['compute']:.0f} ms by "
+        f"libtpu's cost model{kernels}; interconnect {ms['ici']:.0f} ms; HBM {ms['hbm']:.0f} ms), "
+        f"{ms['sum']:.0f} ms if nothing overlapped"
+    ]
+    if cost.get("ici_bytes_per_second"):
+        lines.append(
+            f"  interconnect: {cost['ici_bytes_per_chip'] / 1e9:.2f} GB into each chip per {unit} at "
+            f"{cost['ici_bytes_per_second'] / 1e9:.0f} GB/s (the slowest chip's links, the published bandwidth)"
         )
-    lines = [step]
+    if cost.get("ici_unknown"):
+        lines.append(f"  interconnect not counted: {cost['ici_unknown']}")
     figures = [f"{cost['flops_per_chip'] / 1e12:.1f} TFLOP", f"HBM {cost['hbm_bytes_per_chip'] / 1e9:.0f} GB"]
     if "mfu" in cost:
         figures.append(f"MFU {cost['mfu']:.0%}")
@@ -191,6 +234,7 @@ def estimate_lines(cost: dict[str, Any], micro: bool = False) -> list[str]:
     lines.append(f"  per chip per {unit}: {', '.join(figures)}; {tokens}")
     if cost.get("loops_counted_once"):
         lines.append(f"  {cost['loops_counted_once']} loops without a readable trip count, counted once")
+    lines.append("  (estimates from libtpu's cost model and the published bandwidths: no TPU run is behind them)")
     return lines
 
 

@@ -1,13 +1,14 @@
 """``lowmem-tpu tune RECIPE``: the fastest settings that fit the target, by the TPU compiler.
 
-It searches the micro-batch per chip x activation checkpointing (every layer, every_2, every_4,
-none) x attention (the recipe's, and flash where the target, the length and the model allow it) x packing (where
-the data is at hand and packing fills rows fuller). The planner drops what is far from fitting; each
-survivor is compiled by libtpu for the target (at 2 and 4 layers, extrapolated, for a model of more
-than 4 layers) and ranked by useful tokens/s/chip under libtpu's cost model
-(``measure.tpu_report.step_estimate``). The recipe as given is compiled first, as the baseline. The
-fastest candidate that fits is written as a new recipe that ``extends`` the original and names only
-what changed, its header saying why; the original is untouched.
+It searches where the weights live (sharded over every chip, FSDP, or a whole copy on each: no weight is
+gathered, only the gradients are reduced) x the micro-batch per chip x activation checkpointing (every layer,
+every_2, every_4, none) x attention (the recipe's, and flash where the target, the length and the model allow
+it) x packing (where the data is at hand and packing fills rows fuller). The planner drops what is far from
+fitting; each survivor is compiled by libtpu for the target (at 2 and 4 layers, extrapolated, for a model of
+more than 4 layers) and ranked by useful tokens/s/chip under libtpu's cost model
+(``measure.tpu_report.step_estimate``). The recipe as given is compiled first, as the baseline. The fastest
+candidate that fits is written as a new recipe that ``extends`` the original and names only what changed, its
+header saying why; the original is untouched.
 
 The global batch is the recipe's (the optimizer sees the same batches): a smaller micro-batch per chip
 takes gradient accumulation; ``grow_batch`` also tries micro-batches up to 4x the recipe's, the
@@ -43,9 +44,11 @@ class Candidate:
     attention: str
     packing: bool
     unit: str = "rows"
+    placement: str = "fsdp"  # sharding.strategy: fsdp, or replicated (a copy of every weight on each chip)
 
     def overrides(self, devices: int) -> list[str]:
         return [
+            f"sharding.strategy={self.placement}",
             f"train.global_batch_size={self.rows * devices * self.accumulation}",
             f"train.gradient_accumulation_steps={self.accumulation}",
             f"sharding.activation_checkpointing={str(self.checkpointing).lower()}",
@@ -56,13 +59,16 @@ class Candidate:
     def needs_at_least(self, other: Candidate) -> bool:
         """Whether this setting holds at least what ``other`` holds: as many rows or more, as few layers
         recomputed or fewer, the same packing and the same attention or eager where ``other`` has flash
-        (eager keeps every live layer's scores, flash none), so over the chip wherever ``other`` is. Every
+        (eager keeps every live layer's scores, flash none) and the weights replicated where ``other`` shards them,
+        so over the chip wherever ``other`` is. Every
         stored search (benchmarks/results/tune_*.json) agrees: no eager setting fit where such a flash one did not.
         A program of micro-batches is compared only with another: it keeps the gradients between them, which a
         whole step does not (for full fine-tuning, more than a micro-batch's activations)."""
         attention = self.attention == other.attention or (self.attention, other.attention) == ("eager", "flash")
+        placement = self.placement == other.placement or (self.placement, other.placement) == ("replicated", "fsdp")
         return (
             attention
+            and placement
             and self.packing == other.packing
             and (self.accumulation > 1) == (other.accumulation > 1)  # micro-batches: another program
             and self.rows >= other.rows
@@ -74,7 +80,8 @@ class Candidate:
         accumulation = f" x {self.accumulation} accumulated" if self.accumulation > 1 else ""
         packed = "packed" if self.packing else "padded"
         unit = self.unit if self.rows > 1 else self.unit.removesuffix("s")
-        return f"{self.rows} {unit}/chip{accumulation}, checkpointing {ckpt}, {self.attention}, {packed}"
+        where = f"{self.rows} {unit}/chip{accumulation}, checkpointing {ckpt}"
+        return f"{where}, {self.attention}, {packed}, {self.placement}"
 
 
 @dataclass
@@ -96,7 +103,7 @@ class Tried:
         return e.get("useful_tokens_per_second_per_chip") or e.get("tokens_per_second_per_chip") or 0.0
 
 
-KNOBS = ("rows", "checkpointing", "attention", "packing")
+KNOBS = ("placement", "rows", "checkpointing", "attention", "packing")
 
 
 def candidates(
@@ -132,11 +139,14 @@ def candidates(
         recipe.model.attn_implementation,
         recipe.data.packing,
         unit,
+        recipe.sharding.strategy,
     )
+    placements = [own.placement] if "placement" in keep or chips == 1 else ["fsdp", "replicated"]
     if "rows" in keep:
         sizes = {own.rows: own.accumulation}
     grid = [
-        Candidate(rows, accumulation, ckpt, attention, packing, unit)
+        Candidate(rows, accumulation, ckpt, attention, packing, unit, placement)
+        for placement in placements
         for ckpt in ([own.checkpointing] if "checkpointing" in keep else CHECKPOINTING)
         for attention in ([own.attention] if "attention" in keep else reversed(attentions))
         for packing in ([own.packing] if "packing" in keep else reversed(packings))

@@ -27,10 +27,12 @@ pytestmark = needs_compiler
 
 
 def test_the_fit_arithmetic_and_a_refusal_read_as_does_not_fit():
-    base = TpuCompile("v5e-1", "v5e:1x1", 1, 100, "0.0.21", "TPU v5 lite", 1.0, 2.0, 0, 3, 2)
-    ok = replace(base, arguments=40, outputs=30, aliased=25, temporaries=50)
-    assert ok.needed == 95 and ok.fits
-    assert not replace(ok, temporaries=56).fits  # 101 > 100: outputs count, though the compiler's refusal does not
+    gib = 2**30
+    base = TpuCompile("v5e-1", "v5e:1x1", 1, 16 * gib, "0.0.21", "TPU v5 lite", 1.0, 2.0, 0, 3, 2)
+    ok = replace(base, arguments=6 * gib, outputs=4 * gib, aliased=3 * gib, temporaries=8 * gib)
+    assert ok.needed == 15 * gib and ok.free == gib and ok.fits  # a GiB kept free: just
+    assert not replace(ok, outputs=4 * gib + 1).fits  # outputs count, though the compiler's refusal does not
+    assert not replace(ok, generated_code=2**20).fits  # and so does the program's code
     message = (
         "RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space hbm. "
         "Used 20.00G of 15.75G hbm. Exceeded hbm capacity by 4.25G."
@@ -78,7 +80,7 @@ def test_a_step_too_big_to_compile_here_is_the_line_through_2_and_4_layers(tmp_p
     assert layers_of(recipe) == 32 and layers_of(two) == 2 and two.model.quantize == "nf4"
     assert json.loads((tmp_path / "layers-2" / "config.json").read_text())["hidden_size"] == 4096
 
-    base = TpuCompile("v5e-1", "v5e:1x1", 1, 1000, "0.0.21", "TPU v5 lite", 1.0, 2.0, 50, 30, 28)
+    base = TpuCompile("v5e-1", "v5e:1x1", 1, 16 * 2**30, "0.0.21", "TPU v5 lite", 1.0, 2.0, 50, 30, 28)
     kernel = {"name": "_flash_attention_dq_kernel", "hbm_bytes": 10, "flops": None, "shapes": [[1, 2, 128, 128]]}
     step_a = {"cycles": 3_000_000, "flops": 2e9, "hbm_bytes": 1e6, "kernels": [kernel | {"runs": 2}]}
     step_b = {"cycles": 5_000_000, "flops": 4e9, "hbm_bytes": 2e6, "kernels": [kernel | {"runs": 4}]}

@@ -34,3 +34,15 @@ def test_xla_cpu_flags_are_added_after_the_users_and_never_override_them():
     assert cpu_xla_flags("--xla_dump_to=/tmp/x") == " ".join(["--xla_dump_to=/tmp/x", *CPU_XLA_FLAGS])
     mine = "--xla_backend_optimization_level=3"
     assert cpu_xla_flags(mine) == mine and cpu_xla_flags(cpu_xla_flags("")) == cpu_xla_flags("")
+
+
+def test_the_tpu_compiler_gets_the_users_xla_flags_and_the_libtpu_flags_never_the_cpus(monkeypatch, tmp_path):
+    from lowmem_tpu.measure.tpu_compile import compiler_env
+    from lowmem_tpu.xla.runtime import CPU_XLA_FLAGS, LIBTPU_FLAGS, cpu_xla_flags
+
+    monkeypatch.setenv("XLA_FLAGS", cpu_xla_flags("--xla_mine=1"))  # as a CPU run in this process leaves it
+    monkeypatch.setenv("LIBTPU_INIT_ARGS", "--libtpu_mine=2")
+    env = compiler_env(tmp_path)
+    assert env["XLA_FLAGS"].split() == ["--xla_mine=1", f"--xla_dump_to={tmp_path}"]
+    assert not set(CPU_XLA_FLAGS) & set(env["XLA_FLAGS"].split())
+    assert env["LIBTPU_INIT_ARGS"].split() == ["--libtpu_mine=2", *LIBTPU_FLAGS] and env["JAX_PLATFORMS"] == "cpu"

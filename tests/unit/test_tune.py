@@ -118,7 +118,10 @@ def test_knobs_held_stay_as_the_recipe_has_them():
     held = candidates(recipe, DEVICES["v5e-8"], {False: 0.5, True: 0.8}, False, keep=("checkpointing", "packing"))
     assert {c.checkpointing for c in held} == {True} and {c.packing for c in held} == {False}
     assert {c.attention for c in held} == {"eager", "flash"} and {c.rows for c in held} == {1, 2, 4}
-    assert candidates(recipe, DEVICES["v5e-8"], {}, False, keep=("rows", "checkpointing", "attention")) == held[:1]
+    assert {c.placement for c in held} == {"fsdp", "replicated"}  # where the weights live is searched too
+    kept = ("placement", "rows", "checkpointing", "attention")
+    assert candidates(recipe, DEVICES["v5e-8"], {}, False, keep=kept) == held[:1]
+    assert {c.placement for c in candidates(recipe, DEVICES["v5e-1"], {}, False)} == {"fsdp"}  # one chip: no choice
 
 
 def test_a_setting_holding_at_least_what_did_not_fit_is_not_compiled():
@@ -135,6 +138,8 @@ def test_a_setting_holding_at_least_what_did_not_fit_is_not_compiled():
     assert not Candidate(2, 2, "every_4", "chunked", True).needs_at_least(over)  # another kernel: another program
     assert not Candidate(2, 2, "every_4", "flash", False).needs_at_least(over)
     assert not Candidate(4, 1, "every_4", "flash", True).needs_at_least(Candidate(1, 4, "every_4", "flash", True))
+    replicated = Candidate(2, 2, "every_4", "flash", True, placement="replicated")
+    assert replicated.needs_at_least(over) and not over.needs_at_least(replicated)  # a whole copy on each chip
 
 
 def test_a_preference_recipe_counts_pairs():
