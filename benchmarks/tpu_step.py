@@ -1,12 +1,16 @@
-"""On a TPU: the measured step beside libtpu's cost-model estimate of it (docs/tpu_compile.json).
+"""On a TPU: the measured step beside the estimate recorded for it (docs/tpu_compile.json), and one line to send back.
 
     python benchmarks/tpu_step.py recipes/open_llama_lora.yaml [--steps 30] [KEY=VALUE ...]
 
-Trains the recipe for ``--steps`` steps on the TPU it runs on (``lowmem-tpu sft``, a scratch
-output_dir, no saves, no evaluation), reads the steady step time from the run's metrics.json, and
-prints it beside the estimate recorded for that recipe and TPU by ``tools/tpu_compile_recipes.py``:
-the first TPU run of a recipe checks the estimate. Writes ``outputs/tpu_step/RECIPE.json``. Off a
-TPU it says so and exits 2: the CPU backend's step says nothing about a TPU's.
+Trains the recipe for ``--steps`` steps on the TPU it runs on (``lowmem-tpu sft``, or ``dpo`` for a preference
+recipe; a scratch output_dir, no saves, no evaluation) and reads the steady step time and the HBM peak per chip
+from the run's metrics.json. The recorded estimate is per program: a micro-batch's when the step accumulates
+several (the record's ``resident`` state beside it), the whole step's otherwise; the measured step is divided
+by the micro-batches alike (the optimizer's update, once a step, then counts towards each). It prints, per
+micro-batch and per step, the measured time beside the estimate's compute, interconnect, HBM and step times,
+and the HBM peak beside the TPU compiler's figure, then one line starting ``tpu-step:`` to paste into a
+report. Writes ``outputs/tpu_step/RECIPE.json``. Off a TPU it says so and exits 2: the CPU backend's step says
+nothing about a TPU's.
 """
 
 from __future__ import annotations
@@ -19,11 +23,56 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "outputs" / "tpu_step"
+GiB = 2**30
 
 
-def estimate_for(name: str, device: str) -> dict | None:
+def record_for(name: str, device: str) -> dict:
     records = json.loads((ROOT / "docs" / "tpu_compile.json").read_text())
-    return (records.get(f"{name}@{device}") or {}).get("step_estimate")
+    return records.get(f"{name}@{device}") or {}
+
+
+def compared(name: str, device: str, micro: int, measured_step: float, measured_peak: int | None, record: dict) -> dict:
+    """The measured figures beside the record's, per micro-batch; ``micro``: micro-batches per step."""
+    estimate = record.get("step_estimate") or {}
+    out = {
+        "recipe": name,
+        "device": device,
+        "micro_batches_per_step": micro,
+        "measured_step_seconds": measured_step,
+        "measured_micro_batch_seconds": measured_step / micro,
+        "measured_hbm_peak_bytes": measured_peak,
+        "compiler_needed_bytes": record.get("needed"),
+        "compiler_held_bytes": record.get("held"),
+        "estimate": estimate,
+    }
+    if estimate.get("reported"):
+        out["measured_over_estimate"] = out["measured_micro_batch_seconds"] / estimate["step_seconds"]
+    if measured_peak and record.get("needed"):
+        out["measured_peak_over_compiler"] = measured_peak / record["needed"]
+    return out
+
+
+def summary(r: dict) -> str:
+    """The one line to send back."""
+    e = r["estimate"]
+    ms = {k: e.get(f"{k}_seconds", 0) * 1e3 for k in ("step", "compute", "ici", "hbm")}
+    line = (
+        f"tpu-step: {r['recipe']} on {r['device']}: measured {r['measured_micro_batch_seconds'] * 1e3:.0f} ms per "
+        f"micro-batch ({r['micro_batches_per_step']} a step, {r['measured_step_seconds'] * 1e3:.0f} ms)"
+    )
+    if e.get("reported"):
+        line += (
+            f"; estimate {ms['step']:.0f} ms (compute {ms['compute']:.0f}, interconnect {ms['ici']:.0f}, "
+            f"HBM {ms['hbm']:.0f}): {r['measured_over_estimate']:.2f}x"
+        )
+    else:
+        line += "; no estimate recorded"
+    if r.get("measured_peak_over_compiler"):
+        line += (
+            f"; HBM peak {r['measured_hbm_peak_bytes'] / GiB:.2f} GiB, compiler {r['compiler_needed_bytes'] / GiB:.2f}"
+            f" GiB ({r['measured_peak_over_compiler']:.2f}x)"
+        )
+    return line
 
 
 def main() -> int:
@@ -53,17 +102,17 @@ def main() -> int:
     if done.returncode:
         return done.returncode
     metrics = json.loads((out / "final" / "metrics.json").read_text())
-    measured = metrics["train"]["steady_step_time"]
-    estimate = estimate_for(args.recipe.stem, device)
-    result = {"recipe": args.recipe.stem, "device": device, "measured_step_seconds": measured, "estimate": estimate}
-    if estimate and estimate.get("reported"):
-        result["measured_over_estimate"] = measured / estimate["step_seconds"]
-        print(
-            f"{args.recipe.stem} on {device}: measured {measured * 1e3:.0f} ms per step, libtpu's cost model "
-            f"{estimate['step_seconds'] * 1e3:.0f} ms ({result['measured_over_estimate']:.2f}x)"
-        )
-    else:
-        print(f"{args.recipe.stem} on {device}: measured {measured * 1e3:.0f} ms per step; no estimate recorded")
+    peak = metrics.get("memory", {}).get("per_device_bytes", {}).get("measured_peak")
+    micro = recipe.train.gradient_accumulation_steps
+    result = compared(
+        args.recipe.stem,
+        device,
+        micro,
+        metrics["train"]["steady_step_time"],
+        peak,
+        record_for(args.recipe.stem, device),
+    )
+    print(summary(result))
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / f"{args.recipe.stem}.json").write_text(json.dumps(result, indent=2))
     return 0

@@ -55,7 +55,14 @@ from tables.planned import (
     memory_output,
     quant_fit_table,
 )
-from tables.recorded import benchmark_table, fault_table, tpu_grid_table, tpu_only_paths_table
+from tables.recorded import (
+    benchmark_table,
+    fault_table,
+    line_check_table,
+    line_error,
+    tpu_grid_table,
+    tpu_only_paths_table,
+)
 
 INLINE = "fig-"  # a figure in a sentence: its markers and value on one line
 
@@ -173,6 +180,8 @@ TABLES: list[tuple[Path, str, Callable[[], str]]] = [
         "fig-tpu-dropout-bits-shipped",
         fc.planned("open_llama_lora", ["lora.dropout=0.05"], "v5e-8", "dropout_masks"),
     ),
+    (COMPILER_DOC, "line-check", line_check_table),
+    (COMPILER_DOC, "fig-line-error", line_error),
 ]
 
 

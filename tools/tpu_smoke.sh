@@ -8,7 +8,11 @@
 # 4. lowmem-tpu memory --compile for step 2's recipe on this TPU: the compile-only figure beside the HBM peak
 #    measured in step 2 (compile_vs_run.json): how far the TPU compiler without a TPU is from a real run
 #    and the same for one short flash-attention run at 1024 tokens (the Pallas kernel): flash_vs_run.json
-# 5. lowmem-tpu memory for the recipe of this TPU (plans only)
+# 5. the shipped recipe of this TPU (open_llama_lora on a v5e-8, open_llama_lora_v5e1 on a v5e-1) trained for 20
+#    steps by benchmarks/tpu_step.py: the measured time per micro-batch and HBM peak beside the recorded
+#    estimate (compute, interconnect, HBM) and the compiler's figure, in one line starting "tpu-step:"
+#    (downloads the model and its data)
+# 6. lowmem-tpu memory for the recipes of these TPUs (plans only)
 # Every JSON and log lands in OUT_DIR, then one tar.gz of it. A step that fails does not stop the others.
 set -u
 out="${1:-tpu-smoke-$(date +%Y%m%d-%H%M%S)}"
@@ -71,10 +75,20 @@ PY
   step flash-compile-only "$cli" memory "${flash[@]}" --compile --target "$tpu" --json
   compare_to_run "$out/flash-compile-only.log" "$out/flash/final/metrics.json" "$out/flash_vs_run.json"
 fi
+case "$tpu" in
+  v5e-8) shipped=open_llama_lora ;;
+  v5e-1) shipped=open_llama_lora_v5e1 ;;
+  *) shipped="" ;;
+esac
+if [ -n "$shipped" ] && [ "$device" = tpu ]; then
+  step tpu-step python3 benchmarks/tpu_step.py "recipes/$shipped.yaml" --steps 20
+  cp "outputs/tpu_step/$shipped.json" "$out/tpu_step.json" 2>/dev/null
+  grep "^tpu-step:" "$out/tpu-step.log"
+fi
 for recipe in open_llama_lora open_llama_lora_v5e1 open_llama_7b_qlora; do
   step "memory-$recipe" "$cli" memory "recipes/$recipe.yaml" --json
 done
 rm -rf "$out/tiny/final/"*.safetensors "$out/tiny/checkpoints" "$out/flash/final/"*.safetensors "$out/flash/checkpoints"
 tar czf "$out.tar.gz" "$out"
-echo "wrote $out/ and $out.tar.gz: attach the tar.gz to your report"
+echo "wrote $out/ and $out.tar.gz: attach the tar.gz to your report (and paste its tpu-step line, if any)"
 exit $status

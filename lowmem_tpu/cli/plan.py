@@ -61,7 +61,7 @@ def memory(
     With --compile: the compiler's verdict on the real step for the same device (--json: the compiler's record
     for a TPU; the plans and the compiled figures under "compiled" for cpu)."""
     if measure or device:
-        raise UserError("memory: --measure is --compile --target cpu, and --device is --target (the TPU, or cpu) now")
+        raise UserError("memory: for --measure use --compile --target cpu, for --device use --target (a TPU, or cpu)")
     from lowmem_tpu.memory.advise import format_report, plan_recipe, report_json
     from lowmem_tpu.model.build import require_config
     from lowmem_tpu.xla.tpu import default_device
@@ -78,16 +78,31 @@ def memory(
         raise UserError("--fill: the share of real tokens for a TPU's step estimate (--compile --target TPU)")
     report = plan_recipe(loaded, target, require_config(loaded))
     measured = _compile_cpu(loaded) if compile_ else None
+    from lowmem_tpu.measure.tpu_report import recorded_verdict
+
+    name = _shipped_name(recipe) if not overrides else None
+    verdict = recorded_verdict(name, target, report.plan) if name else None
     if as_json:
         import json
 
-        typer.echo(json.dumps(report_json(report) | ({"compiled": measured} if measured else {}), indent=2))
+        extra = ({"compiled": measured} if measured else {}) | ({"compiler_record": verdict} if verdict else {})
+        typer.echo(json.dumps(report_json(report) | extra, indent=2))
         return
     typer.echo(format_report(report))
+    if verdict:
+        typer.echo(f"\n{verdict['text']}")
     if measured:
         from lowmem_tpu.measure.compare import format_measurement
 
         typer.echo("\n" + format_measurement(measured))
+
+
+def _shipped_name(recipe: str | None) -> str | None:
+    """The shipped recipe's name when ``recipe`` is one (by name or by its own path), else None."""
+    if not recipe:
+        return None
+    path, shipped = Path(recipe), shipped_recipes().get(Path(recipe).stem)
+    return path.stem if shipped and (not path.exists() or path.resolve() == shipped.resolve()) else None
 
 
 def _compile_tpu(loaded: Recipe, name: str, as_json: bool, fill: float | None) -> None:

@@ -4,6 +4,7 @@ and the planner's figures beside the compiler's (:func:`compile_beside_plan`).""
 from __future__ import annotations
 
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 from lowmem_tpu.config import Recipe
@@ -239,6 +240,33 @@ def estimate_lines(cost: dict[str, Any], micro: bool = False) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- beside the plan
+
+# The TPU compiler's records of the shipped recipes, in a clone of the repository (tools/tpu_compile_recipes.py).
+RECORDS = Path(__file__).resolve().parents[2] / "docs" / "tpu_compile.json"
+
+
+def recorded_verdict(name: str, device: str, plan: Any) -> dict[str, Any] | None:
+    """What the TPU compiler's record says of a shipped recipe on ``device`` (None without one), and which
+    figure to trust beside the plan: the compiler's, the program's own buffers; the plan is arithmetic."""
+    import json
+
+    records = json.loads(RECORDS.read_text()) if RECORDS.exists() else {}
+    record = records.get(f"{name}@{device}") or {}
+    if not record.get("needed") or "free" not in record:
+        return None
+    held, free = record["held"], record["free"]
+    how = "extrapolated along the layers" if record.get("extrapolated_from") else "compiled whole"
+    verdict = "fits" if record["fits"] else "does not fit"
+    text = (
+        f"the TPU compiler's record (docs/tpu_compile.json, {how}): {size(held)} held of {size(record['capacity'])} "
+        f"(buffers, code, the line's error), {size(free)} free: {verdict} with {size(MARGIN)} kept free"
+    )
+    if record["fits"] != plan.fits:
+        text += (
+            "; trust the compiler's figure: it is the buffer assignment of the program a run executes, the plan "
+            "an arithmetic model of it with a margin of its own"
+        )
+    return {"held": held, "free": free, "fits": record["fits"], "text": text}
 
 
 def compile_beside_plan(

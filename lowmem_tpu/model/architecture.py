@@ -149,7 +149,10 @@ def flops_per_token(
     """
     config = text_config(config)  # a multimodal model's: its text decoder's
     layers, hidden = config.num_hidden_layers, config.hidden_size
-    embedding = config.vocab_size * hidden  # a lookup, not a matmul
+    # The embedding is a lookup, not a matmul; a tied one (Gemma's) is the LM head's matmul too, counted once
+    # in ``total``: then nothing is taken off.
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    embedding = 0 if tied else config.vocab_size * hidden
     dense = total - embedding
     trained = trainable - (0 if lora else embedding)
     attention = 4 * layers * hidden * seq_len

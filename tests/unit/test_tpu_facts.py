@@ -110,6 +110,9 @@ def test_model_flops_count_attentions_backward_twice():
     assert full == 6 * dense + 3 * attention  # PaLM's 6N + 12 L h s
     lora = flops_per_token(config, dense + embedding, 1000, seq, lora=True)
     assert lora == 4 * dense + 2 * 1000 + 3 * attention
+    # A tied embedding (Gemma's) is the LM head's matmul too: counted once in the parameters, it runs as one.
+    tied = SimpleNamespace(**vars(config), tie_word_embeddings=True)
+    assert flops_per_token(tied, dense + embedding, 1000, seq, lora=True) == lora + 4 * embedding
 
 
 def test_log_lines_carry_memory_per_device():
@@ -119,3 +122,23 @@ def test_log_lines_carry_memory_per_device():
     assert cpu.endswith("| memory planned 4.1 MiB/dev")
     tpu_line = format_log(10, 100, {"loss": 1.0, "memory_planned_gib": 11.3, "memory_peak_gib": 10.5})
     assert tpu_line.endswith("| HBM peak 10.50 GiB/dev (planned 11.30 GiB)")
+
+
+def test_the_first_tpu_run_compares_a_micro_batch_with_the_estimate_of_one():
+    """benchmarks/tpu_step.py: the recorded estimate is one program's (a micro-batch's with accumulation); the
+    measured step is divided alike, and the HBM peak set beside the compiler's figure, in one line."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "tpu_step.py"
+    spec = importlib.util.spec_from_file_location("tpu_step", path)
+    tpu_step = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tpu_step)
+    estimate = {"reported": True, "step_seconds": 0.3, "compute_seconds": 0.3, "ici_seconds": 0.05, "hbm_seconds": 0.2}
+    record = {"needed": 9 * GiB, "held": 10 * GiB, "step_estimate": estimate}
+    r = tpu_step.compared("open_llama_lora", "v5e-8", 2, 0.9, int(9.9 * GiB), record)
+    assert r["measured_micro_batch_seconds"] == 0.45 and r["measured_over_estimate"] == pytest.approx(1.5)
+    assert r["measured_peak_over_compiler"] == pytest.approx(1.1)
+    line = tpu_step.summary(r)
+    assert line.startswith("tpu-step: open_llama_lora on v5e-8: measured 450 ms per micro-batch (2 a step, 900 ms)")
+    assert "estimate 300 ms (compute 300, interconnect 50, HBM 200): 1.50x" in line and "(1.10x)" in line

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -37,7 +38,9 @@ def _compiler(records: dict, name: str, device: str) -> str:
         return "not compiled"
     if record.get("blocked"):
         return f"not compiled here: {record['blocked']}"
-    verdict = f"{size(record['needed'])}: {'fits' if record['fits'] else '**does not fit**'}"
+    free = record.get("free")
+    held = f"{size(record['held'])}, {size(free)} free" if free is not None else size(record["needed"])
+    verdict = f"{held}: {'fits' if record['fits'] else '**does not fit**'}"
     if record.get("extrapolated_from"):
         verdict += " (extrapolated from {}- and {}-layer compiles)".format(*record["extrapolated_from"])
     return verdict
@@ -45,15 +48,17 @@ def _compiler(records: dict, name: str, device: str) -> str:
 
 def _step(records: dict, name: str, device: str) -> str:
     estimate = (records.get(f"{name}@{device}") or {}).get("step_estimate") or {}
-    return f"{estimate['step_seconds']:.2f} s ({estimate['mfu']:.0%})" if estimate.get("reported") else ""
+    if not estimate.get("reported"):
+        return ""
+    return f"{estimate['step_seconds']:.2f} s, {estimate.get('bound_by', 'compute')} ({estimate['mfu']:.0%})"
 
 
 def table() -> str:
     """README.md: each shipped recipe on its target, the planner's peak beside the TPU compiler's figure."""
     records = json.loads(RECORD.read_text())
     rows = [
-        "| recipe | `runtime.target` | what | planned peak | needed (+ margin) | TPU compiler | of "
-        "| one micro-batch by libtpu's cost model (MFU) |",
+        "| recipe | `runtime.target` | what | planned peak | needed (+ margin) | TPU compiler: held, free | of "
+        "| one micro-batch: the estimate, what bounds it (MFU) |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for item in describe_shipped():
@@ -86,25 +91,41 @@ def compiler_table() -> str:
     """docs/tpu_compiler.md: the TPU compiler's record of every shipped recipe in full."""
     records = json.loads(RECORD.read_text())
     rows = [
-        "| recipe | target | needed of usable HBM | arguments / temporaries | planner's peak (error) "
-        "| step by libtpu's cost model, MFU | compiled |",
-        "|---|---|---|---|---|---|---|",
+        "| recipe | target | held (needed + code + line's error) of usable HBM | arguments / temporaries "
+        "| planner's peak (error) | the step, MFU | all-gathered (x the weights) | compiled |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    for name, device, _ in targets():
+    for name, device, path in targets():
         record = records.get(f"{name}@{device}")
         if record is None or record.get("blocked"):
-            rows.append(f"| `{name}.yaml` | {device} | {_compiler(records, name, device)} | | | | |")
+            rows.append(f"| `{name}.yaml` | {device} | {_compiler(records, name, device)} | | | | | |")
             continue
         verdict = "fits" if record["fits"] else "**does not fit**"
         error = f" ({record['plan_error']:+.1%})" if record.get("plan_error") is not None else ""
         estimate = record.get("step_estimate") or {}
         cost = f"{estimate['step_seconds']:.2f} s, {estimate['mfu']:.0%}" if estimate.get("reported") else ""
+        held = record.get("held", record["needed"])
         rows.append(
-            f"| `{name}.yaml` | {device} | {size(record['needed'])} of {size(record['capacity'])}: {verdict} "
+            f"| `{name}.yaml` | {device} | {size(held)} of {size(record['capacity'])}: {verdict} "
             f"| {size(record['arguments'])} / {size(record['temporaries'])} "
-            f"| {size(record.get('planned_peak'))}{error} | {cost} | {_how(record)} |"
+            f"| {size(record.get('planned_peak'))}{error} | {cost} | {_gathered(record, path, device)} "
+            f"| {_how(record)} |"
         )
     return "\n".join(rows)
+
+
+def _gathered(record: dict, path: Path, device: str) -> str:
+    """What a step's all-gathers bring to a chip, against the model's weights as stored (once each)."""
+    gathered = sum((record.get("gathered") or {}).values())
+    if not gathered:
+        return "none"
+    from lowmem_tpu.memory.plan import parameters
+    from lowmem_tpu.memory.shape import setting_of, shape_of
+
+    recipe = load_recipe(str(path), ["runtime.device=tpu"])
+    shape = shape_of(require_config(recipe))
+    weights = sum(math.prod(t.shape) * t.itemsize for t in parameters(shape, setting_of(recipe, 1)))
+    return f"{size(gathered)} ({gathered / weights:.2f}x)"
 
 
 def layers_table() -> str:
@@ -173,24 +194,26 @@ def speed_table() -> str:
     """docs/speed.md: every shipped recipe's step on its TPU by libtpu's cost model (docs/tpu_compile.json)."""
     records = json.loads(RECORD.read_text())
     rows = [
-        "| recipe | target | HBM per chip | micro-batches per step | one micro-batch (libtpu's cost model) | MFU "
-        "| tokens/s/chip | TFLOP/chip per micro-batch | compiled in |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| recipe | target | HBM held per chip (free) | micro-batches per step | one micro-batch: compute "
+        "| interconnect | HBM | the step (bound by) | if nothing overlapped | MFU | tokens/s/chip | compiled in |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, device, path in targets():
         record = records.get(f"{name}@{device}") or {}
         estimate = record.get("step_estimate") or {}
         if not estimate.get("reported"):
             why = estimate.get("why") or record.get("blocked") or "not compiled"
-            rows.append(f"| `{name}` | {device} | {size(record.get('needed'))} | | {why} | | | | |")
+            rows.append(f"| `{name}` | {device} | {size(record.get('needed'))} | | {why} | | | | | | | |")
             continue
         micro = load_recipe(str(path), ["runtime.device=tpu"]).train.gradient_accumulation_steps
         kernels = f" (+{estimate['kernel_seconds'] * 1e3:.0f} ms kernels)" if estimate["kernel_seconds"] else ""
+        ms = {k: f"{estimate.get(f'{k}_seconds', 0) * 1e3:.0f} ms" for k in ("step", "ici", "hbm", "sum")}
+        held = f"{size(record.get('held', record['needed']))} ({size(record.get('free'))})"
         rows.append(
-            f"| `{name}` | {device} | {size(record['needed'])} | {micro} "
-            f"| {estimate['compiled_seconds'] * 1e3:.0f} ms{kernels} "
-            f"| {estimate['mfu']:.0%} | {estimate['tokens_per_second_per_chip']:,.0f} "
-            f"| {estimate['flops_per_chip'] / 1e12:.1f} | {_how(record)} |"
+            f"| `{name}` | {device} | {held} | {micro} "
+            f"| {estimate['compiled_seconds'] * 1e3:.0f} ms{kernels} | {ms['ici']} | {ms['hbm']} "
+            f"| {ms['step']} ({estimate.get('bound_by', 'compute')}) | {ms['sum']} "
+            f"| {estimate['mfu']:.0%} | {estimate['tokens_per_second_per_chip']:,.0f} | {_how(record)} |"
         )
     return "\n".join(rows)
 

@@ -71,3 +71,27 @@ def benchmark_table(benchmark: str) -> Callable[[], str]:
         return subprocess.run(command, capture_output=True, text=True, check=True).stdout.strip()
 
     return run
+
+
+def line_check_table() -> str:
+    """docs/tpu_compiler.md: the line through the cut compiles against compiles at more layers or whole
+    (benchmarks/results/line_check.json: ``tools/tpu_compile_recipes.py --line-check``)."""
+    checks = json.loads((RESULTS / "line_check.json").read_text())
+    rows = [
+        "| recipe | target | layers | compiled: held per chip | the line | its error | cycles | interconnect bytes |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for c in sorted(checks.values(), key=lambda c: (c["recipe"], c["layers"])):
+        held, cycles, received = c["held"], c["cycles"], c["received"]
+        rows.append(
+            f"| `{c['recipe']}` | {c['device']} | {c['layers']} | {held[0] / GiB:.2f} GiB | {held[1] / GiB:.2f} GiB "
+            f"| {held[2]:+.2%} | {cycles[2]:+.2%} | {received[2]:+.2%} |"
+        )
+    return "\n".join(rows)
+
+
+def line_error() -> str:
+    """The line's error an extrapolated record keeps as margin (measure.tpu_layers.LINE_ERROR)."""
+    from lowmem_tpu.measure.tpu_layers import LINE_ERROR
+
+    return f"{LINE_ERROR:.0%}"
