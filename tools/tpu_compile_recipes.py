@@ -106,10 +106,10 @@ def main() -> int:
         if record.get("blocked"):
             blocked.append(f"{key}: {record['blocked']}")
         elif not record["fits"]:
-            failed.append(f"{key}: {size(record['needed'])} of {size(record['capacity'])}")
+            failed.append(f"{key}: {size(record['held'])} held of {size(record['capacity'])}, {size(record['free'])} free")
     written = {key: {k: v for k, v in record.items() if k != "reused"} for key, record in (recorded | records).items()}
     args.out.write_text(json.dumps(written, indent=2) + "\n")
-    print("| recipe | target | TPU compiler, per chip | planner (error) | TPU compile | host peak |")
+    print("| recipe | target | TPU compiler, per chip (a GiB kept free) | planner (error) | TPU compile | host peak |")
     print("|---|---|---|---|---|---|")
     print("\n".join(rows))
     if blocked:
@@ -231,7 +231,8 @@ def _row(name: str, device: str, record: dict) -> str:
         verdict += " (extrapolated from {} and {} layers)".format(*record["extrapolated_from"])
     error = f"{record['plan_error']:+.0%}" if record.get("plan_error") is not None else "n/a"
     return (
-        f"| {name} | {device} | {size(record['needed'])} of {size(record['capacity'])}: {verdict} "
+        f"| {name} | {device} | {size(record.get('held', record['needed']))} held of {size(record['capacity'])}, "
+        f"{size(record.get('free'))} free: {verdict} "
         f"| {size(record.get('planned_peak'))} ({error}) | {record['compile_seconds']:.0f} s "
         f"| {size(record['host_peak_rss_bytes'])} |"
     )

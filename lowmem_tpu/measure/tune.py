@@ -92,6 +92,7 @@ class Tried:
     planned: int | None = None
     verdict: str = "not compiled"
     needed: int | None = None
+    held: int | None = None  # needed + the program's code + the line's error: what the margin is kept beside
     fits: bool = False
     estimate: dict[str, Any] = field(default_factory=dict)
     seconds: float = 0.0
@@ -227,7 +228,7 @@ def _try(recipe: Recipe, device: Device, item: Tried, fill: float | None, source
         return
     _, record, _ = compile_beside_plan(trial, device.name, result, fill, source)
     item.seconds = time.monotonic() - started
-    item.needed, item.fits = result.needed, result.fits
+    item.needed, item.held, item.fits = result.needed, result.held, result.fits
     item.estimate = record.get("step_estimate", {})
     item.verdict = "fits" if result.fits else ("refused" if result.error else "does not fit")
 
@@ -316,9 +317,11 @@ def _figures(t: Tried) -> str:
     e = t.estimate
     useful = f", {e['useful_tokens_per_second_per_chip']:,.0f} useful tokens/s" if e.get("fill") else ""
     step = "micro-step" if t.candidate.accumulation > 1 else "step"
+    bound = f" ({e['bound_by']})" if e.get("bound_by", "compute") != "compute" else ""
+    verdict = "" if t.fits else " (does not fit)"
     return (
-        f"{(t.needed or 0) / 2**30:.2f} GiB, {step} {e['step_seconds'] * 1e3:.0f} ms, MFU {e.get('mfu', 0):.0%}, "
-        f"{e['tokens_per_second_per_chip']:,.0f} tokens/s{useful}"
+        f"{(t.needed or 0) / 2**30:.2f} GiB{verdict}, {step} {e['step_seconds'] * 1e3:.0f} ms{bound}, "
+        f"MFU {e.get('mfu', 0):.0%}, {e['tokens_per_second_per_chip']:,.0f} tokens/s{useful}"
     )
 
 

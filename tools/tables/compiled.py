@@ -268,21 +268,24 @@ def tune_table(result: str) -> Callable[[], str]:
         rows = [
             f"`lowmem-tpu tune` for {record['target']}, per chip (tokens/s: every position of a row{pairs}):",
             "",
-            f"| {unit} per chip x micro-batches | checkpointing | attention | packed | HBM (TPU compiler) "
-            "| (micro-)step | MFU | tokens/s/chip |",
-            "|---|---|---|---|---|---|---|---|",
+            f"| weights | {unit} per chip x micro-batches | checkpointing | attention | packed "
+            "| HBM held (TPU compiler) | (micro-)step | MFU | tokens/s/chip |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         for t in record["tried"]:
             c, e = t["settings"], t["estimate"]
             ckpt = {True: "every layer", False: "none"}.get(c["checkpointing"], c["checkpointing"])
             packed = "yes" if c["packing"] else "no"
-            head = f"| {c['rows']} x {c['accumulation']} | {ckpt} | {c['attention']} | {packed} "
+            head = f"| {c.get('placement', 'fsdp')} | {c['rows']} x {c['accumulation']} | {ckpt} | {c['attention']} "
+            head += f"| {packed} "
             if not e.get("reported"):
                 rows.append(head + f"| {t['verdict']} | | | |")
                 continue
             fits = "" if t["fits"] else " (does not fit)"
+            bound = f" ({e['bound_by']})" if e.get("bound_by", "compute") != "compute" else ""
             rows.append(
-                head + f"| {size(t['needed'])}{fits} | {e['step_seconds'] * 1e3:.0f} ms | {e['mfu']:.0%} "
+                head + f"| {size(t.get('held') or t['needed'])}{fits} | {e['step_seconds'] * 1e3:.0f} ms{bound} "
+                f"| {e['mfu']:.0%} "
                 f"| {e['tokens_per_second_per_chip']:,.0f} |"
             )
         return "\n".join(rows)
