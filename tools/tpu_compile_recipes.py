@@ -106,7 +106,8 @@ def main() -> int:
         if record.get("blocked"):
             blocked.append(f"{key}: {record['blocked']}")
         elif not record["fits"]:
-            failed.append(f"{key}: {size(record['held'])} held of {size(record['capacity'])}, {size(record['free'])} free")
+            held, free = size(record["held"]), size(record["free"])
+            failed.append(f"{key}: {held} held of {size(record['capacity'])}, {free} free")
     written = {key: {k: v for k, v in record.items() if k != "reused"} for key, record in (recorded | records).items()}
     args.out.write_text(json.dumps(written, indent=2) + "\n")
     print("| recipe | target | TPU compiler, per chip (a GiB kept free) | planner (error) | TPU compile | host peak |")
