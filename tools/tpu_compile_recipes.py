@@ -106,7 +106,7 @@ def main() -> int:
         if record.get("blocked"):
             blocked.append(f"{key}: {record['blocked']}")
         elif not record["fits"]:
-            held, free = size(record["held"]), size(record["free"])
+            held, free = size(record.get("held", record["needed"])), size(record.get("free"))
             failed.append(f"{key}: {held} held of {size(record['capacity'])}, {free} free")
     written = {key: {k: v for k, v in record.items() if k != "reused"} for key, record in (recorded | records).items()}
     args.out.write_text(json.dumps(written, indent=2) + "\n")
