@@ -239,6 +239,12 @@ def test_checkpointing_one_layer_in_two_gives_the_same_step(tmp_path_factory, on
     _same_step(one_step, every2)
 
 
+def test_the_weights_replicated_on_every_device_give_the_same_step(tmp_path_factory, one_step):
+    """sharding.strategy: replicated (where tune may place a frozen base): no gathers, the same arithmetic."""
+    _, replicated = _run(tmp_path_factory, "replicated", *ONE_STEP, "sharding.strategy=replicated")
+    _same_step(one_step, replicated)
+
+
 def test_chunked_loss_gives_the_same_step(tmp_path_factory, one_step):
     """train.chunked_loss through the real trainer: 8 blocks of the tiny recipe's positions, same step."""
     _, chunked = _run(tmp_path_factory, "chunked-loss", *ONE_STEP, "train.chunked_loss=true")

@@ -1,8 +1,8 @@
 """``lowmem-tpu tune``: the fastest settings that fit, each compiled by the TPU compiler on this machine.
 
-The tiny demo with 16 sequences on Kaggle's v5e-8 and its checkpointing held leaves the micro-batch to
-search (2 rows per chip, or 1 in each of 2 micro-batches): two compiles of seconds each. A recipe that fits
-nowhere writes nothing.
+The tiny demo with 16 sequences on Kaggle's v5e-8 and its checkpointing held leaves where the weights live
+(sharded or a copy on each chip) and the micro-batch to search (2 rows per chip, or 1 in each of 2
+micro-batches): four compiles of seconds each. A recipe that fits nowhere writes nothing.
 """
 
 from __future__ import annotations
@@ -22,13 +22,16 @@ def test_tune_writes_the_fastest_fitting_recipe_which_validate_accepts(tmp_path)
     args = ["recipes/tiny_lora_cpu.yaml", "train.global_batch_size=16", "--target", "v5e-8", "--keep", "checkpointing"]
     done = compiler_cli("tune", *args, "--out", str(out))
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "[2/2]" in done.stderr and "fastest that fits" in done.stdout
+    assert "[4/4]" in done.stderr and "fastest that fits" in done.stdout
     report = json.loads(out.with_suffix(".json").read_text())
     tried = report["tried"]
-    assert [(t["settings"]["rows"], t["settings"]["accumulation"]) for t in tried] == [
-        (2, 1),
-        (1, 2),
-    ]  # the recipe's first
+    assert [(t["settings"]["placement"], t["settings"]["rows"], t["settings"]["accumulation"]) for t in tried] == [
+        ("fsdp", 2, 1),  # the recipe's first
+        ("fsdp", 1, 2),
+        ("replicated", 2, 1),
+        ("replicated", 1, 2),
+    ]
+    assert all(t["held"] > t["needed"] for t in tried)  # its generated code is held beside its buffers
     assert all(t["fits"] and t["estimate"]["reported"] for t in tried)
     assert {t["settings"]["checkpointing"] for t in tried} == {True}  # held
     assert report["fill"]["padded"] > 0.5  # the demo's own data, tokenized: every row nearly full
@@ -39,6 +42,7 @@ def test_tune_writes_the_fastest_fitting_recipe_which_validate_accepts(tmp_path)
     assert recipe["runtime"] == {"target": "v5e-8"}  # tuned for v5e-8, not the demo's CPU target
     accumulation = fastest["settings"]["accumulation"]
     assert recipe.get("train", {}).get("gradient_accumulation_steps", 1) == accumulation  # only what changed
+    assert recipe.get("sharding", {}).get("strategy", "fsdp") == fastest["settings"]["placement"]
     assert recipe["train"]["global_batch_size"] == 16 and report["overrides"] == ["train.global_batch_size=16"]
     assert "tuned for v5e-8" in text and "original:" in text
     valid = command_cli("validate", str(out), "runtime.device=cpu")
