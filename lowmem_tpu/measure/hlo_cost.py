@@ -37,6 +37,7 @@ _CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
 _CALLS = re.compile(r"\b(calls|to_apply|body|condition)=%([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _SPACE = re.compile(r"S\((\d+)\)")
+_ALIASED = re.compile(r"\{(\d*)(?:,\d+)*\}: \((\d+), \{[\d,]*\}\)")
 # Instructions that move or compute nothing in HBM themselves (views, control, loop plumbing).
 _NO_TRAFFIC = {
     "parameter", "get-tuple-element", "tuple", "bitcast", "constant", "while", "call", "conditional",
@@ -120,11 +121,14 @@ def arrays(type_text: str) -> list[tuple[str, tuple[int, ...], int]]:
     return out
 
 
-def hbm_bytes(type_text: str, first_only: bool = False) -> int:
-    found = arrays(type_text)
-    found = found[:1] if first_only else found
+def _array_bytes(array: tuple[str, tuple[int, ...], int]) -> int:
+    dtype, dims, space = array
     # Scalars (loop counters, indices) live in the scalar unit's memory, not HBM.
-    return sum(math.prod(dims) * ITEMSIZE[dtype] for dtype, dims, space in found if space == 0 and dims)
+    return math.prod(dims) * ITEMSIZE[dtype] if space == 0 and dims else 0
+
+
+def hbm_bytes(type_text: str) -> int:
+    return sum(_array_bytes(a) for a in arrays(type_text))
 
 
 def matmul_flops(instruction: Instruction, scope: dict[str, Instruction]) -> float:
@@ -300,13 +304,29 @@ def branches(instruction: Instruction) -> list[str]:
     return re.findall(r"%([\w.\-]+)", found.group(1)) if found else []
 
 
+def in_place(instruction: Instruction) -> tuple[set[int | None], set[int]]:
+    """The outputs (a tuple's index, None for the whole) an instruction updates in place and the operands
+    they alias (``output_to_operand_aliasing``)."""
+    pairs = _ALIASED.findall(instruction.attributes)
+    return {int(out) if out else None for out, _ in pairs}, {int(operand) for _, operand in pairs}
+
+
 def _traffic(instruction: Instruction, scope: dict[str, Instruction]) -> float:
-    """HBM bytes an executed instruction reads and writes (an asynchronous start: its source and destination)."""
+    """HBM bytes an executed instruction reads and writes (an asynchronous start: its source and destination).
+
+    A buffer updated in place (an output aliased to an operand: a windowed all-gather's destination, a
+    dynamic-update-slice's) is touched only where it is updated, not read and written whole on every trip of
+    its loop; its bytes are left out (Open Llama 3B at 2 layers on v5e-8: 35% of the bytes counted)."""
     op = instruction.op
     if op in _NO_TRAFFIC or op.endswith("-done"):
         return 0.0
-    read = sum(hbm_bytes(scope[n].type) for n in instruction.operands if n in scope)
-    return float(read + hbm_bytes(instruction.type, first_only=op.endswith("-start")))
+    outputs, operands = in_place(instruction)
+    read = sum(hbm_bytes(scope[n].type) for i, n in enumerate(instruction.operands) if n in scope and i not in operands)
+    if None in outputs:
+        return float(read)
+    written = arrays(instruction.type)
+    written = written[:1] if op.endswith("-start") else [a for i, a in enumerate(written) if i not in outputs]
+    return float(read + sum(_array_bytes(a) for a in written))
 
 
 def step_cost(text: str) -> StepCost:

@@ -85,6 +85,22 @@ def test_hbm_bytes_leave_on_chip_operands_out():
     assert cost.hbm_bytes == 3 * loop_fusion + batched + copy
 
 
+def test_a_buffer_updated_in_place_is_not_counted_whole():
+    """A windowed all-gather's destination, aliased to its operand, is written where it lands, not read and
+    written whole on each trip; the fusion's other operand and output are."""
+    fused = (
+        "  %fusion.3 = (f32[8,4]{1,0}, bf16[64,16]{1,0}) fusion(%p0, %gathered), kind=kOutput, "
+        "output_to_operand_aliasing={{1}: (1, {})}, calls=%fused_matmul, "
+        'backend_config={"window_config":{"estimated_cycles":"9"}}\n'
+    )
+    program = PROGRAM.replace(
+        "  %weights = ",
+        "  %gathered = bf16[64,16]{1,0} parameter(3)\n" + fused + "  %weights = ",
+    ).replace("p2: bf16[4,16,8]) -> f32[8,4]", "p2: bf16[4,16,8], p3: bf16[64,16]) -> f32[8,4]")
+    added = step_cost(program).hbm_bytes - step_cost(PROGRAM).hbm_bytes
+    assert added == 8 * 16 * 4 + 8 * 4 * 4  # p0 read, the f32 output written; the bf16[64,16] buffer left out
+
+
 def test_an_unreadable_loop_is_counted_once_and_said_so():
     program = PROGRAM.replace("direction=LT", "direction=NE")
     cost = step_cost(program)

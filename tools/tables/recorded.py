@@ -61,13 +61,13 @@ def fault_table() -> str:
     return f"{fault_matrix_table(cases)}\n\n**{survived} of {len(cases)} killed runs survived.**"
 
 
-def benchmark_table(benchmark: str) -> Callable[[], str]:
-    """A benchmark's table of its recorded result, as ``python benchmarks/NAME.py --table`` prints it."""
+def benchmark_table(benchmark: str, *args: str) -> Callable[[], str]:
+    """A benchmark's table of its recorded result, as ``python benchmarks/NAME.py [ARGS] --table`` prints it."""
 
     def run() -> str:
         import subprocess
 
-        command = [sys.executable, str(ROOT / "benchmarks" / f"{benchmark}.py"), "--table"]
+        command = [sys.executable, str(ROOT / "benchmarks" / f"{benchmark}.py"), *args, "--table"]
         return subprocess.run(command, capture_output=True, text=True, check=True).stdout.strip()
 
     return run
