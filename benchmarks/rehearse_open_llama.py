@@ -37,17 +37,9 @@ STEPS = [
 ]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=10)
-    args = parser.parse_args()
+def stand_in() -> list[str]:
+    """The overrides that run an Open Llama recipe on the stand-in and the Alpaca records (built once)."""
     import subprocess
-
-    import torch
-    from safetensors.torch import load_file
-
-    from lowmem_tpu.config import load_recipe
-    from lowmem_tpu.sft import run_sft
 
     OUT.mkdir(parents=True, exist_ok=True)
     model = OUT / "open_llama_like"
@@ -55,13 +47,28 @@ def main() -> None:
         subprocess.run([sys.executable, str(ROOT / "tests" / "helpers" / "open_llama_like.py"), str(model)], check=True)
     data = OUT / "alpaca.json"  # the test suite's records, written by their command
     subprocess.run([sys.executable, str(ROOT / "tests" / "helpers" / "open_llama_data.py"), str(data)], check=True)
-    local = [f"model.name_or_path={model}", f"data.path={data}", *STEPS, f"train.max_steps={args.steps}"]
+    return [f"model.name_or_path={model}", f"data.path={data}", *STEPS]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=10)
+    args = parser.parse_args()
+    import torch
+    from safetensors.torch import load_file
+
+    from lowmem_tpu.config import load_recipe
+    from lowmem_tpu.sft import run_sft
+
+    model = OUT / "open_llama_like"
+    local = [*stand_in(), f"train.max_steps={args.steps}"]
     local.append("train.resume=never")
     full = ["train.optimizer=adamw", "train.learning_rate=2e-5", "train.lr_scheduler=constant"]
     full += ["model.attn_implementation=eager", "data.packing=false", "train.gradient_accumulation_steps=1"]
     full += ["sharding.activation_checkpointing=true"]  # the TPU-tuned speed settings left out on the CPU
+    lora_cpu = ["model.attn_implementation=chunked", "data.packing=false", "train.gradient_accumulation_steps=2"]
     runs = {
-        "lora": ("recipes/open_llama_lora.yaml", ["model.attn_implementation=chunked", "data.packing=false"]),
+        "lora": ("recipes/open_llama_lora.yaml", [*lora_cpu]),
         "full bf16, master weights": ("recipes/open_llama_full.yaml", full),
         "full bf16, no master weights": ("recipes/open_llama_full.yaml", [*full, "train.master_weights=false"]),
         "full fp32": ("recipes/open_llama_full.yaml", [*full, "model.dtype=float32"]),

@@ -29,7 +29,10 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 # Searches whose every_4 candidates were compiled at 4 and 8 layers (the others' at 2 and 4).
 CUT_AT_K = {"llama3_8b_dpo_v5e8", "llama3_3b_dpo_full_v5e8", "gemma2_9b_lora_v5e8"}
-RECIPE = {"open_llama_lora_v5e8": "open_llama_lora"}  # searches named otherwise than their recipe
+RECIPE = {  # searches named otherwise than their recipe
+    "open_llama_lora_v5e8": "open_llama_lora",
+    "open_llama_lora_v5e8_placement": "open_llama_lora",
+}
 NOT_A_RECIPE = ("_rows", "_bnb_layout")  # searches of one knob at another layout
 
 

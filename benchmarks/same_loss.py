@@ -8,8 +8,11 @@ COMPARISON is one of:
   the optimizer updates fp32 master copies) against PEFT's fp32 adapters, the demo in bf16.
 - ``placement``: the weights replicated on every device (``sharding.strategy=replicated``: nothing gathered)
   against FSDP (each weight split over the devices, gathered for each layer).
+- ``open-llama-placement``: the same on ``recipes/open_llama_lora.yaml`` in bf16, run on the Open Llama
+  stand-in and Alpaca records of ``benchmarks/rehearse_open_llama.py`` (4 CPU devices, 8 rows of 128 tokens,
+  1 row per device in each of 2 micro-batches, chunked attention).
 
-Trains the tiny demo for ``--steps`` steps with each setting on the CPU backend, same data, seed 42; the noise
+Trains each setting for ``--steps`` steps on the CPU backend, same data, seed 42; the noise
 is the reference setting against itself at seed 43 (other adapters drawn, other batches). Prints the logged
 losses and the largest differences; writes ``benchmarks/results/same_loss_COMPARISON.json``; ``--table`` prints
 its markdown table from that file.
@@ -31,10 +34,12 @@ RESULTS = ROOT / "benchmarks" / "results"
 
 @dataclass(frozen=True)
 class Comparison:
-    what: str  # the demo as trained, for the table's sentence
+    what: str  # the run as trained, for the table's sentence
     common: tuple[str, ...]  # overrides both settings share
     setting: tuple[str, str]  # (name, override) under test
     reference: tuple[str, str]  # (name, override) it must match
+    recipe: str = "recipes/tiny_lora_cpu.yaml"
+    stand_in: bool = False  # run on benchmarks/rehearse_open_llama.py's Open Llama stand-in
 
 
 COMPARISONS = {
@@ -50,6 +55,14 @@ COMPARISONS = {
         ("weights replicated (sharding.strategy: replicated)", "sharding.strategy=replicated"),
         ("weights sharded, FSDP (sharding.strategy: fsdp)", "sharding.strategy=fsdp"),
     ),
+    "open-llama-placement": Comparison(
+        "open_llama_lora.yaml on the Open Llama stand-in (4 virtual devices, bf16)",
+        ("model.attn_implementation=chunked", "data.packing=false", "train.gradient_accumulation_steps=2"),
+        ("weights replicated (sharding.strategy: replicated)", "sharding.strategy=replicated"),
+        ("weights sharded, FSDP (sharding.strategy: fsdp)", "sharding.strategy=fsdp"),
+        recipe="recipes/open_llama_lora.yaml",
+        stand_in=True,
+    ),
 }
 
 
@@ -57,9 +70,9 @@ def result_path(name: str) -> Path:
     return RESULTS / f"same_loss_{name.replace('-', '_')}.json"
 
 
-def train(overrides: tuple[str, ...], steps: int, out: Path, seed: int = 42) -> list[dict]:
+def train(recipe: str, overrides: tuple[str, ...], steps: int, out: Path, seed: int = 42) -> list[dict]:
     command = [
-        sys.executable, "-m", "lowmem_tpu.cli", "sft", "recipes/tiny_lora_cpu.yaml", *overrides,
+        sys.executable, "-m", "lowmem_tpu.cli", "sft", recipe, *overrides,
         f"output_dir={out}", f"train.max_steps={steps}", "train.logging_steps=5", f"train.save_steps={steps * 10}",
         "train.eval_samples=0", f"train.seed={seed}",
     ]  # fmt: skip
@@ -85,13 +98,19 @@ def table(name: str, result: dict) -> str:
 
 def compare(name: str, steps: int) -> dict:
     comparison = COMPARISONS[name]
+    common = comparison.common
+    if comparison.stand_in:
+        from rehearse_open_llama import stand_in  # benchmarks/, beside this script
+
+        common = (*stand_in(), "train.resume=never", *common)
     curves = {}
     with tempfile.TemporaryDirectory(prefix="lowmem-same-loss-") as tmp:
         for index, (label, override) in enumerate((comparison.setting, comparison.reference)):
             print(f"training: {label}...", file=sys.stderr, flush=True)
-            curves[label] = train((*comparison.common, override), steps, Path(tmp) / str(index))
+            curves[label] = train(comparison.recipe, (*common, override), steps, Path(tmp) / str(index))
         print(f"training: {comparison.reference[0]} at seed 43 (the noise)...", file=sys.stderr, flush=True)
-        other_seed = train((*comparison.common, comparison.reference[1]), steps, Path(tmp) / "seed43", seed=43)
+        noise = (*common, comparison.reference[1])
+        other_seed = train(comparison.recipe, noise, steps, Path(tmp) / "seed43", seed=43)
     a, b = curves.values()
     return {
         "what": comparison.what,

@@ -31,6 +31,7 @@ def test_each_format_trains_through_the_shipped_recipe(model_dir, tmp_path, fmt,
     local = [f"output_dir={tmp_path / 'run'}", f"model.name_or_path={model_dir}", f"data.path={data}"]
     local += ["runtime.device=cpu", "runtime.num_cpu_devices=4", "data.max_length=128", "train.global_batch_size=8"]
     local += ["model.attn_implementation=chunked", "data.packing=false"]  # the recipe's flash is the TPU's; a row each
+    local += ["train.gradient_accumulation_steps=2"]  # 8 rows on 4 devices: 1 row in each of 2 micro-batches
     local += [
         "train.max_steps=2",
         "train.logging_steps=1",

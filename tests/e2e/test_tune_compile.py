@@ -27,9 +27,9 @@ def test_tune_writes_the_fastest_fitting_recipe_which_validate_accepts(tmp_path)
     tried = report["tried"]
     assert [(t["settings"]["placement"], t["settings"]["rows"], t["settings"]["accumulation"]) for t in tried] == [
         ("fsdp", 2, 1),  # the recipe's first
-        ("fsdp", 1, 2),
-        ("replicated", 2, 1),
+        ("fsdp", 1, 2),  # then the fewest rows first
         ("replicated", 1, 2),
+        ("replicated", 2, 1),
     ]
     assert all(t["held"] > t["needed"] for t in tried)  # its generated code is held beside its buffers
     assert all(t["fits"] and t["estimate"]["reported"] for t in tried)
