@@ -121,10 +121,11 @@ class XlaDPOTrainer(XlaTrainerMixin, DPOTrainer):
         policy = OnDevice(model, inputs, self.runtime)
         reference = None if self.precompute_ref_logps else OnDevice(model, inputs, self.runtime, self.policy)
         wrapper, self.model, self.ref_model = self.model, policy, reference
+        accelerator, self.accelerator = self.accelerator, _OnTheHost(self.accelerator)
         try:
             result = DPOTrainer.compute_loss(self, policy, host, return_outputs)
         finally:
-            self.model, self.ref_model = wrapper, None
+            self.model, self.ref_model, self.accelerator = wrapper, None, accelerator
         device = inputs["input_ids"].device  # the Trainer's backward starts on the devices
         return (result[0].to(device), result[1]) if return_outputs else result.to(device)
 
@@ -145,6 +146,19 @@ class XlaDPOTrainer(XlaTrainerMixin, DPOTrainer):
                 reference = model(**batch, use_cache=False, fused_lm_head=True).log_probs.sum(-1)
         chosen, rejected = (policy - reference).chunk(2)
         return -F.logsigmoid(self.beta * (chosen - rejected)).mean()
+
+
+class _OnTheHost:
+    """The trainer's accelerator as TRL's loss sees it on the host: the tensors the loss makes on
+    ``accelerator.device`` (exo_pair's epsilon) land on the CPU beside the log-probabilities, not on the devices."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, accelerator: Any):
+        self._accelerator = accelerator
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._accelerator, name)
 
 
 @contextlib.contextmanager

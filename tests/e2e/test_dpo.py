@@ -18,6 +18,7 @@ import torch
 from tiny_models import make_adapter, make_base
 
 from lowmem_tpu.config.assets import ASSETS
+from lowmem_tpu.config.schema import DPO_LOSSES
 
 PAIRS = ASSETS / "reverse" / "prefer_train.jsonl"
 HELPERS = Path(__file__).resolve().parents[1] / "helpers"
@@ -25,18 +26,20 @@ COMPARED = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "re
 
 
 def _trl_on_the_cpu(
-    base: Path, adapter: Path, pairs: int, beta: float, losses: str, out: Path, start: Path | None = None
-) -> dict:
+    base: Path, adapter: Path, pairs: int, beta: float, losses: str, out: Path, start: Path | None = None,
+    smoothing: float = 0.0,
+) -> dict:  # fmt: skip
     env = {**os.environ, "USE_TORCH_XLA": "0", "PJRT_DEVICE": "", "HF_HUB_OFFLINE": "1"}
     command = [sys.executable, str(HELPERS / "dpo_reference.py"), str(base), str(adapter), str(PAIRS)]
-    command += [str(pairs), str(beta), losses, str(out), *([str(start)] if start else [])]
+    command += [str(pairs), str(beta), losses, str(out), str(start or ""), str(smoothing)]
     subprocess.run(command, env=env, check=True, timeout=300)
     return json.loads(out.read_text())
 
 
 def _xla_step(
-    base: Path, adapter: Path, pairs: int, beta: float, losses: str, out: Path, start: Path | None = None
-) -> dict:
+    base: Path, adapter: Path, pairs: int, beta: float, losses: str, out: Path, start: Path | None = None,
+    smoothing: float = 0.0,
+) -> dict:  # fmt: skip
     """One XlaDPOTrainer loss on the devices, the policy ``adapter`` on ``base``; the reference the base, or
     with ``start`` the frozen copy of that adapter TRL makes (the policy then moved to ``adapter``'s weights).
     ``adapter`` a model directory: full-parameter DPO, the reference's log-probs precomputed by ``base``
@@ -57,6 +60,7 @@ def _xla_step(
     overrides = [f"model.name_or_path={base}", "model.random_init=false"]
     overrides += ["lora.enabled=false"] if full else [f"model.adapter={start or adapter}"]
     overrides += [f"output_dir={out}", f"train.global_batch_size={pairs}", f"preference.beta={beta}"]
+    overrides += [f"preference.label_smoothing={smoothing}"]
     overrides += ["train.eval_steps=null", "data.eval_path=null", "train.eval_samples=0"]
     recipe = load_recipe("recipes/tiny_dpo_cpu.yaml", [*overrides, f"preference.loss_type=[{losses}]"])
     configure_environment(recipe.runtime)
@@ -94,12 +98,20 @@ def _xla_step(
     return {"loss": loss.item(), **metrics, "grads": grads}
 
 
-@pytest.mark.parametrize("losses", ["sigmoid", "sigmoid,sft", "ipo"])
-def test_the_xla_step_computes_trls_loss_and_rewards(tmp_path, losses):
+@pytest.mark.parametrize(
+    ("losses", "smoothing"),
+    [
+        ("sigmoid", 0.0),
+        ("sigmoid,sft", 0.0),
+        ("ipo", 0.0),
+        (",".join(DPO_LOSSES), 0.1),  # every loss TRL offers, summed: exo_pair makes tensors on the accelerator
+    ],
+)
+def test_the_xla_step_computes_trls_loss_and_rewards(tmp_path, losses, smoothing):
     base = make_base(tmp_path / "base")
     adapter = make_adapter(base, tmp_path / "adapter", r=4)  # B not zero: the policy is not the reference
-    trl = _trl_on_the_cpu(base, adapter, 8, 0.5, losses, tmp_path / "trl.json")
-    ours = _xla_step(base, adapter, 8, 0.5, losses.replace(",", ", "), tmp_path / "run")
+    trl = _trl_on_the_cpu(base, adapter, 8, 0.5, losses, tmp_path / "trl.json", smoothing=smoothing)
+    ours = _xla_step(base, adapter, 8, 0.5, losses.replace(",", ", "), tmp_path / "run", smoothing=smoothing)
     assert abs(trl["rewards/margins"]) > 1e-3  # a batch where policy and reference differ
     for key in COMPARED:
         assert ours[key] == pytest.approx(trl[key], abs=1e-4), key
