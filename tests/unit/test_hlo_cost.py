@@ -101,6 +101,24 @@ def test_a_buffer_updated_in_place_is_not_counted_whole():
     assert added == 8 * 16 * 4 + 8 * 4 * 4  # p0 read, the f32 output written; the bf16[64,16] buffer left out
 
 
+def test_an_operand_a_fusion_only_slices_is_read_where_it_is_sliced():
+    sliced = (
+        "%fused_slice (param_0.9: bf16[64,16]) -> bf16[8,16] {\n"
+        "  %param_0.9 = bf16[64,16]{1,0} parameter(0)\n"
+        "  ROOT %slice.9 = bf16[8,16]{1,0} slice(%param_0.9), slice={[0:8], [0:16]}\n"
+        "}\n\n"
+    )
+    fusion = (
+        "  %fusion.9 = bf16[8,16]{1,0} fusion(%stack), kind=kLoop, calls=%fused_slice, "
+        'backend_config={"window_config":{"estimated_cycles":"3"}}\n'
+    )
+    program = (sliced + PROGRAM).replace(
+        "  %weights = ", "  %stack = bf16[64,16]{1,0} parameter(3)\n" + fusion + "  %weights = "
+    ).replace("p2: bf16[4,16,8]) -> f32[8,4]", "p2: bf16[4,16,8], p3: bf16[64,16]) -> f32[8,4]")
+    added = step_cost(program).hbm_bytes - step_cost(PROGRAM).hbm_bytes
+    assert added == 2 * (8 * 16 * 2)  # the slice read and written, not the [64,16] stack
+
+
 def test_an_unreadable_loop_is_counted_once_and_said_so():
     program = PROGRAM.replace("direction=LT", "direction=NE")
     cost = step_cost(program)
