@@ -22,7 +22,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from lowmem_tpu.measure.hlo_cost import ITEMSIZE, Instruction, arrays, branches, parse, trip_count
+from lowmem_tpu.measure.hlo_text import ITEMSIZE, Instruction, arrays, branches, parse, trip_count
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 _CHANNEL = re.compile(r"\bchannel_id=(\d+)")

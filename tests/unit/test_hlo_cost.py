@@ -4,7 +4,8 @@ bytes, each loop followed its trip count (measure.hlo_cost)."""
 
 from __future__ import annotations
 
-from lowmem_tpu.measure.hlo_cost import arrays, parse, step_cost, trip_count
+from lowmem_tpu.measure.hlo_cost import step_cost
+from lowmem_tpu.measure.hlo_text import arrays, parse, trip_count
 
 # A program in the shape libtpu writes it: a windowed-einsum-like loop (counter from a copied constant 0,
 # stepped by 2, LT 6: 3 trips) whose body runs one matmul fusion, and a batched matmul written as a
@@ -112,9 +113,11 @@ def test_an_operand_a_fusion_only_slices_is_read_where_it_is_sliced():
         "  %fusion.9 = bf16[8,16]{1,0} fusion(%stack), kind=kLoop, calls=%fused_slice, "
         'backend_config={"window_config":{"estimated_cycles":"3"}}\n'
     )
-    program = (sliced + PROGRAM).replace(
-        "  %weights = ", "  %stack = bf16[64,16]{1,0} parameter(3)\n" + fusion + "  %weights = "
-    ).replace("p2: bf16[4,16,8]) -> f32[8,4]", "p2: bf16[4,16,8], p3: bf16[64,16]) -> f32[8,4]")
+    program = (
+        (sliced + PROGRAM)
+        .replace("  %weights = ", "  %stack = bf16[64,16]{1,0} parameter(3)\n" + fusion + "  %weights = ")
+        .replace("p2: bf16[4,16,8]) -> f32[8,4]", "p2: bf16[4,16,8], p3: bf16[64,16]) -> f32[8,4]")
+    )
     added = step_cost(program).hbm_bytes - step_cost(PROGRAM).hbm_bytes
     assert added == 2 * (8 * 16 * 2)  # the slice read and written, not the [64,16] stack
 
