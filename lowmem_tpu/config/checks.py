@@ -18,6 +18,8 @@ from lowmem_tpu.config.rules import batch_split_problem
 Problem = tuple[tuple[str, ...], str]
 CROSS_FIELDS = "cross_fields"  # pydantic's error type for them: the schema raises them once every field is valid
 BATCH = ("train.global_batch_size", "train.gradient_accumulation_steps")
+# The DPO losses built on the chosen-rejected reward difference: the only ones TRL takes an f-divergence for.
+F_DIVERGENCE_LOSSES = ("sigmoid", "sigmoid_norm", "hinge", "ipo", "exo_pair", "robust", "discopop", "sft")
 
 
 def cross_problems(recipe: Any) -> list[Problem]:
@@ -257,4 +259,24 @@ def _preference_problems(recipe: Any) -> list[Problem]:
     if "exo_pair" in p.loss_type and p.label_smoothing == 0:
         message = "preference.label_smoothing: loss exo_pair needs it above 0 (the EXO paper uses 1e-3)"
         problems.append((("preference.label_smoothing", "preference.loss_type"), message))
+    if p.loss_weights is not None and len(p.loss_weights) != len(p.loss_type):
+        message = (
+            f"preference.loss_weights: {len(p.loss_weights)} weight(s) for {len(p.loss_type)} losses "
+            f"({', '.join(p.loss_type)}); give one weight per loss, in loss_type's order"
+        )
+        problems.append((("preference.loss_weights", "preference.loss_type"), message))
+    others = [loss for loss in p.loss_type if loss not in F_DIVERGENCE_LOSSES]
+    if p.f_divergence_type != "reverse_kl" and others:
+        message = (
+            f"preference.f_divergence_type: {p.f_divergence_type} has no form for the loss {', '.join(others)}; "
+            f"use it with {', '.join(F_DIVERGENCE_LOSSES)}, or keep reverse_kl"
+        )
+        problems.append((("preference.f_divergence_type", "preference.loss_type"), message))
+    unweighted = [loss for loss in p.loss_type if loss in ("aot", "aot_unpaired", "hinge")]
+    if p.use_weighting and unweighted:
+        message = (
+            f"preference.use_weighting: WPO's weights do not work with the loss {', '.join(unweighted)} (TRL refuses "
+            "the aot losses; with hinge its backward fails, trl 1.16); drop one or the other"
+        )
+        problems.append((("preference.use_weighting", "preference.loss_type"), message))
     return problems

@@ -35,6 +35,7 @@ DPO_LOSSES = (
     "sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot", "aot_unpaired",
     "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm",
 )  # fmt: skip
+F_DIVERGENCES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")
 
 
 class DataSection(Section):
@@ -287,6 +288,21 @@ class PreferenceSection(Section):
         description="TRL's DPO loss(es): sigmoid (DPO), ipo, hinge, robust, apo_zero, sft (with sigmoid: RPO) ...",
     )
     label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="Label smoothing (robust, exo_pair, aot losses).")
+    loss_weights: list[float] | None = Field(
+        None, description="One weight per loss in loss_type, their weighted sum trained (TRL's; null: 1 each)."
+    )
+    f_divergence_type: Literal[F_DIVERGENCES] = Field(  # type: ignore[valid-type]
+        "reverse_kl",
+        description="The f-divergence between policy and reference (f-DPO): reverse_kl is DPO's; the others with "
+        "the losses built on the reward difference only (sigmoid, sigmoid_norm, hinge, ipo, exo_pair, robust, "
+        "discopop, sft).",
+    )
+    f_alpha_divergence_coef: float = Field(0.5, gt=0, description="alpha of f_divergence_type: alpha_divergence.")
+    use_weighting: bool = Field(False, description="WPO: each pair weighted by the policy's length-normalized odds.")
+    ld_alpha: float | None = Field(
+        None, ge=0, le=1, description="LD-DPO: the weight of tokens past the shorter completion's length (null: 1)."
+    )
+    discopop_tau: float = Field(0.05, gt=0, description="The DiscoPOP loss's temperature (loss_type: discopop).")
     precompute_ref_log_probs: bool | None = Field(
         None,
         description="The reference's log-probabilities computed in one pass over the pairs before training (TRL's "

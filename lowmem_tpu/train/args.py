@@ -33,6 +33,12 @@ def preference_args(recipe: Recipe, micro_batch: int) -> DPOConfig:
         beta=p.beta,
         loss_type=list(p.loss_type),
         label_smoothing=p.label_smoothing,
+        loss_weights=p.loss_weights,
+        f_divergence_type=p.f_divergence_type,
+        f_alpha_divergence_coef=p.f_alpha_divergence_coef,
+        use_weighting=p.use_weighting,
+        ld_alpha=p.ld_alpha,
+        discopop_tau=p.discopop_tau,
         max_length=None,
         disable_dropout=True,
         precompute_ref_log_probs=reference_precomputed(recipe),  # computed on the devices (train.dpo)

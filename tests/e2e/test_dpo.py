@@ -27,18 +27,18 @@ COMPARED = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "re
 
 def _trl_on_the_cpu(
     base: Path, adapter: Path, pairs: int, beta: float, losses: str, out: Path, start: Path | None = None,
-    smoothing: float = 0.0,
+    options: dict | None = None,
 ) -> dict:  # fmt: skip
     env = {**os.environ, "USE_TORCH_XLA": "0", "PJRT_DEVICE": "", "HF_HUB_OFFLINE": "1"}
     command = [sys.executable, str(HELPERS / "dpo_reference.py"), str(base), str(adapter), str(PAIRS)]
-    command += [str(pairs), str(beta), losses, str(out), str(start or ""), str(smoothing)]
+    command += [str(pairs), str(beta), losses, str(out), str(start or ""), json.dumps(options or {})]
     subprocess.run(command, env=env, check=True, timeout=300)
     return json.loads(out.read_text())
 
 
 def _xla_step(
     base: Path, adapter: Path, pairs: int, beta: float, losses: str, out: Path, start: Path | None = None,
-    smoothing: float = 0.0,
+    options: dict | None = None,
 ) -> dict:  # fmt: skip
     """One XlaDPOTrainer loss on the devices, the policy ``adapter`` on ``base``; the reference the base, or
     with ``start`` the frozen copy of that adapter TRL makes (the policy then moved to ``adapter``'s weights).
@@ -60,7 +60,7 @@ def _xla_step(
     overrides = [f"model.name_or_path={base}", "model.random_init=false"]
     overrides += ["lora.enabled=false"] if full else [f"model.adapter={start or adapter}"]
     overrides += [f"output_dir={out}", f"train.global_batch_size={pairs}", f"preference.beta={beta}"]
-    overrides += [f"preference.label_smoothing={smoothing}"]
+    overrides += [f"preference.{key}={json.dumps(value)}" for key, value in (options or {}).items()]
     overrides += ["train.eval_steps=null", "data.eval_path=null", "train.eval_samples=0"]
     recipe = load_recipe("recipes/tiny_dpo_cpu.yaml", [*overrides, f"preference.loss_type=[{losses}]"])
     configure_environment(recipe.runtime)
@@ -99,19 +99,23 @@ def _xla_step(
 
 
 @pytest.mark.parametrize(
-    ("losses", "smoothing"),
+    ("losses", "options"),
     [
-        ("sigmoid", 0.0),
-        ("sigmoid,sft", 0.0),
-        ("ipo", 0.0),
-        (",".join(DPO_LOSSES), 0.1),  # every loss TRL offers, summed: exo_pair makes tensors on the accelerator
+        ("sigmoid", {}),
+        ("sigmoid,sft", {"loss_weights": [1.0, 0.3]}),
+        ("ipo", {}),
+        (",".join(DPO_LOSSES), {"label_smoothing": 0.1}),  # every loss, summed: exo_pair's tensors on the host
+        ("sigmoid,hinge", {"f_divergence_type": "js_divergence"}),
+        ("sigmoid", {"f_divergence_type": "alpha_divergence", "f_alpha_divergence_coef": 0.3}),
+        ("sigmoid", {"use_weighting": True, "ld_alpha": 0.5}),  # WPO and LD-DPO
     ],
+    ids=["sigmoid", "rpo-weighted", "ipo", "every-loss", "js", "alpha", "wpo-ld"],
 )
-def test_the_xla_step_computes_trls_loss_and_rewards(tmp_path, losses, smoothing):
+def test_the_xla_step_computes_trls_loss_and_rewards(tmp_path, losses, options):
     base = make_base(tmp_path / "base")
     adapter = make_adapter(base, tmp_path / "adapter", r=4)  # B not zero: the policy is not the reference
-    trl = _trl_on_the_cpu(base, adapter, 8, 0.5, losses, tmp_path / "trl.json", smoothing=smoothing)
-    ours = _xla_step(base, adapter, 8, 0.5, losses.replace(",", ", "), tmp_path / "run", smoothing=smoothing)
+    trl = _trl_on_the_cpu(base, adapter, 8, 0.5, losses, tmp_path / "trl.json", options=options)
+    ours = _xla_step(base, adapter, 8, 0.5, losses.replace(",", ", "), tmp_path / "run", options=options)
     assert abs(trl["rewards/margins"]) > 1e-3  # a batch where policy and reference differ
     for key in COMPARED:
         assert ours[key] == pytest.approx(trl[key], abs=1e-4), key

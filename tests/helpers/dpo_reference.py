@@ -28,11 +28,11 @@ from lowmem_tpu.data import set_chat_template
 
 
 def main(
-    base: str, adapter: str, data: str, pairs: str, beta: str, losses: str, out: str, start: str = "", smoothing="0"
+    base: str, adapter: str, data: str, pairs: str, beta: str, losses: str, out: str, start: str = "", options="{}"
 ) -> None:
     """``start``: an adapter the run starts from (TRL's frozen ``ref`` copy of it is the reference), the policy
     then moved to ``adapter``'s weights; without it (or empty) the reference is the base, adapters switched off.
-    ``smoothing``: TRL's label_smoothing."""
+    ``options``: more of DPOConfig's fields, as JSON."""
     tokenizer = AutoTokenizer.from_pretrained(base)
     set_chat_template(tokenizer, DataSection(format="preference"))  # the template a run trains with
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.unk_token
@@ -40,7 +40,7 @@ def main(
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     args = DPOConfig(
         output_dir=f"{out}.trainer", use_cpu=True, report_to=[], beta=float(beta), loss_type=losses.split(","),
-        label_smoothing=float(smoothing),
+        **json.loads(options),
         per_device_train_batch_size=int(pairs), max_length=None,
         bf16=False,  # as a run's DPOConfig (train.args): TRL's default would autocast its reference pass to bf16
     )  # fmt: skip

@@ -188,8 +188,11 @@ def test_sft_data_given_to_dpo_and_pairs_given_to_sft_exit_2(tmp_path):
         (["train.chunked_loss=true"], "TRL's LM head"),
         (["preference.loss_type=exo_pair"], "needs it above 0"),
         (["data.packing=true"], "pairs are not packed"),
+        (["preference.loss_type=[sigmoid,sft]", "preference.loss_weights=[1.0]"], "1 weight"),
+        (["preference.loss_type=[sigmoid,apo_zero]", "preference.f_divergence_type=forward_kl"], "no form for"),
+        (["preference.loss_type=hinge", "preference.use_weighting=true"], "backward fails"),
     ],
-    ids=["pissa", "chunked-loss", "exo-pair", "packing"],
+    ids=["pissa", "chunked-loss", "exo-pair", "packing", "loss-weights", "f-divergence", "wpo-hinge"],
 )
 def test_a_dpo_recipe_that_would_train_against_a_wrong_reference_or_crash_in_trl_is_refused(overrides, expected):
     from lowmem_tpu.config import RecipeError, load_recipe
