@@ -102,13 +102,19 @@ def _xla_step(
     ("losses", "options"),
     [
         ("sigmoid", {}),
-        ("sigmoid,sft", {"loss_weights": [1.0, 0.3]}),
+        ("sigmoid,sft", {"loss_weights": [1.0, 0.3], "f_divergence_type": "js_divergence"}),  # weighted RPO, JS
         (",".join(DPO_LOSSES), {"label_smoothing": 0.1}),  # every loss, summed: exo_pair's tensors on the host
-        ("sigmoid,hinge", {"f_divergence_type": "js_divergence"}),
-        ("sigmoid", {"f_divergence_type": "alpha_divergence", "f_alpha_divergence_coef": 0.3}),
-        ("sigmoid", {"use_weighting": True, "ld_alpha": 0.5}),  # WPO and LD-DPO
+        (
+            "sigmoid",
+            {
+                "f_divergence_type": "alpha_divergence",
+                "f_alpha_divergence_coef": 0.3,
+                "use_weighting": True,
+                "ld_alpha": 0.5,
+            },
+        ),  # alpha, WPO, LD-DPO
     ],
-    ids=["sigmoid", "rpo-weighted", "every-loss", "js", "alpha", "wpo-ld"],
+    ids=["sigmoid", "rpo-weighted-js", "every-loss", "alpha-wpo-ld"],
 )
 def test_the_xla_step_computes_trls_loss_and_rewards(tmp_path, losses, options):
     base = make_base(tmp_path / "base")

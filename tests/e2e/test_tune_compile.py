@@ -18,18 +18,18 @@ pytestmark = needs_compiler
 
 def test_tune_writes_the_fastest_fitting_recipe_which_validate_accepts(tmp_path):
     out = tmp_path / "tuned.yaml"
-    # 16 sequences on 8 chips, checkpointing held: 2 rows per chip, or 1 row in each of 2 micro-batches.
-    args = ["recipes/tiny_lora_cpu.yaml", "train.global_batch_size=16", "--target", "v5e-8", "--keep", "checkpointing"]
+    # 16 sequences on 8 chips, 1 row in each of 2 micro-batches held (test_tune orders the rows searched), the
+    # weights sharded or replicated.
+    args = ["recipes/tiny_lora_cpu.yaml", "train.global_batch_size=16", "train.gradient_accumulation_steps=2"]
+    args += ["--target", "v5e-8", "--keep", "checkpointing,rows"]
     done = compiler_cli("tune", *args, "--out", str(out))
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "[4/4]" in done.stderr and "fastest that fits" in done.stdout
+    assert "[2/2]" in done.stderr and "fastest that fits" in done.stdout
     report = json.loads(out.with_suffix(".json").read_text())
     tried = report["tried"]
     assert [(t["settings"]["placement"], t["settings"]["rows"], t["settings"]["accumulation"]) for t in tried] == [
-        ("fsdp", 2, 1),  # the recipe's first
-        ("fsdp", 1, 2),  # then the fewest rows first
+        ("fsdp", 1, 2),  # the recipe's first
         ("replicated", 1, 2),
-        ("replicated", 2, 1),
     ]
     assert all(t["held"] > t["needed"] for t in tried)  # its generated code is held beside its buffers
     assert all(t["fits"] and t["estimate"]["reported"] for t in tried)
@@ -43,7 +43,7 @@ def test_tune_writes_the_fastest_fitting_recipe_which_validate_accepts(tmp_path)
     accumulation = fastest["settings"]["accumulation"]
     assert recipe.get("train", {}).get("gradient_accumulation_steps", 1) == accumulation  # only what changed
     assert recipe.get("sharding", {}).get("strategy", "fsdp") == fastest["settings"]["placement"]
-    assert recipe["train"]["global_batch_size"] == 16 and report["overrides"] == ["train.global_batch_size=16"]
+    assert recipe["train"]["global_batch_size"] == 16 and report["overrides"] == args[1:3]
     assert "tuned for v5e-8" in text and "original:" in text
     valid = command_cli("validate", str(out), "runtime.device=cpu")
     assert valid.returncode == 0, valid.stderr[-2000:]
