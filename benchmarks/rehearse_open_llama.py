@@ -66,9 +66,9 @@ def main() -> None:
     full = ["train.optimizer=adamw", "train.learning_rate=2e-5", "train.lr_scheduler=constant"]
     full += ["model.attn_implementation=eager", "data.packing=false", "train.gradient_accumulation_steps=1"]
     full += ["sharding.activation_checkpointing=true"]  # the TPU-tuned speed settings left out on the CPU
-    lora_cpu = ["model.attn_implementation=chunked", "data.packing=false", "train.gradient_accumulation_steps=2"]
+    lora = ["model.attn_implementation=chunked", "data.packing=false", "train.gradient_accumulation_steps=2"]
     runs = {
-        "lora": ("recipes/open_llama_lora.yaml", [*lora_cpu]),
+        "lora": ("recipes/open_llama_lora.yaml", lora),
         "full bf16, master weights": ("recipes/open_llama_full.yaml", full),
         "full bf16, no master weights": ("recipes/open_llama_full.yaml", [*full, "train.master_weights=false"]),
         "full fp32": ("recipes/open_llama_full.yaml", [*full, "model.dtype=float32"]),

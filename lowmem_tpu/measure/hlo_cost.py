@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from functools import cache
 
 from lowmem_tpu.measure.hlo_text import (
-    ITEMSIZE,
     Computations,
     Instruction,
     array_bytes,
@@ -231,8 +230,7 @@ def _read(instruction: Instruction, index: int, operand: Instruction, computatio
         parameter = next((i for i in fused.values() if i.op == "parameter" and i.literal == str(index)), None)
         users = [i for i in fused.values() if parameter and parameter.name in i.operands]
         if users and all(u.op in _SLICES and u.operands[0] == parameter.name for u in users):
-            sliced = sum(math.prod(dims) * ITEMSIZE[dtype] for u in users for dtype, dims, _ in arrays(u.type))
-            return min(whole, sliced)
+            return min(whole, sum(hbm_bytes(u.type) for u in users))
     return whole
 
 
