@@ -43,11 +43,11 @@ def recipe_for(overrides: list[str], steps: int, name: str) -> Any:
     )
 
 
-def run_sft(overrides: list[str], steps: int, index: int) -> float:
+def run_training(overrides: list[str], steps: int, index: int) -> float:
     """Steady step time of the real command (mean over log intervals after warm-up)."""
-    from lowmem_tpu.sft import run_sft
+    from lowmem_tpu.run import run_training
 
-    run = run_sft(recipe_for(overrides, steps, f"sft-{index}"), overwrite=True)
+    run = run_training(recipe_for(overrides, steps, f"sft-{index}"), overwrite=True)
     return run.metrics["train"]["steady_step_time"]
 
 
@@ -176,7 +176,7 @@ def main() -> None:
     times: dict[str, list[float]] = {"sft": [], "floor": []}
     ratios: list[float] = []
     for index in range(args.rounds):
-        times["sft"].append(run_sft(args.overrides, args.steps, index))
+        times["sft"].append(run_training(args.overrides, args.steps, index))
         times["floor"].append(run_floor(args.overrides, args.steps, warmup))
         ratios.append(times["sft"][-1] / times["floor"][-1])
         print(

@@ -49,7 +49,7 @@ def model_overrides(name: str) -> list[str]:
 
 def run(model: str, mode: str, steps: int, save: bool, name: str = "") -> dict[str, Any]:
     from lowmem_tpu.config import load_recipe
-    from lowmem_tpu.sft import run_sft
+    from lowmem_tpu.run import run_training
 
     name = name or f"{model}-{mode}-{'save' if save else 'nosave'}"
     overrides = [
@@ -64,7 +64,7 @@ def run(model: str, mode: str, steps: int, save: bool, name: str = "") -> dict[s
         *(["lora.enabled=false", "train.learning_rate=1e-4"] if mode == "full" else []),
         *model_overrides(model),
     ]
-    result = run_sft(load_recipe("recipes/tiny_lora_cpu.yaml", overrides), overwrite=True)
+    result = run_training(load_recipe("recipes/tiny_lora_cpu.yaml", overrides), overwrite=True)
     m = result.metrics
     return {
         "train_seconds": m["time"]["train_seconds"],

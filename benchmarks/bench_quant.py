@@ -2,7 +2,7 @@
 
     python benchmarks/bench_quant.py [--steps 60] [--rounds 2] [--hidden 512] [KEY=VALUE ...]
 
-Runs ``lowmem-tpu sft`` (``run_sft``) on a 4-layer Llama of the given width (random init, the
+Runs ``lowmem-tpu sft`` (``run_training``) on a 4-layer Llama of the given width (random init, the
 shipped character tokenizer) with ``model.quantize`` none, int8 and int4, alternating the order
 each round so a busy machine penalises every variant alike. Reports the steady step time (mean
 over the log intervals after warm-up), its ratio to the unquantized base, and the final loss;
@@ -46,7 +46,7 @@ def model_dir(hidden: int) -> Path:
 
 def run(method: str, steps: int, hidden: int, overrides: list[str]) -> dict:
     from lowmem_tpu.config import load_recipe
-    from lowmem_tpu.sft import run_sft
+    from lowmem_tpu.run import run_training
 
     recipe = load_recipe(
         "recipes/tiny_lora_cpu.yaml",
@@ -63,7 +63,7 @@ def run(method: str, steps: int, hidden: int, overrides: list[str]) -> dict:
             *overrides,
         ],
     )
-    metrics = run_sft(recipe, overwrite=True).metrics
+    metrics = run_training(recipe, overwrite=True).metrics
     return {"step_time": metrics["train"]["steady_step_time"], "final_loss": metrics["train"]["final_loss"]}
 
 

@@ -35,7 +35,7 @@ LEVERS = {
 
 def step_time(model_dir: Path, length: int, steps: int, overrides: list[str], name: str) -> float:
     from lowmem_tpu.config import load_recipe
-    from lowmem_tpu.sft import run_sft
+    from lowmem_tpu.run import run_training
 
     recipe = load_recipe(
         ROOT / "recipes/tiny_lora_cpu.yaml",
@@ -52,7 +52,7 @@ def step_time(model_dir: Path, length: int, steps: int, overrides: list[str], na
             *overrides,
         ],
     )
-    return run_sft(recipe, overwrite=True).metrics["train"]["steady_step_time"]
+    return run_training(recipe, overwrite=True).metrics["train"]["steady_step_time"]
 
 
 def main() -> None:

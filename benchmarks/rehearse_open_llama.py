@@ -58,7 +58,7 @@ def main() -> None:
     from safetensors.torch import load_file
 
     from lowmem_tpu.config import load_recipe
-    from lowmem_tpu.sft import run_sft
+    from lowmem_tpu.run import run_training
 
     model = OUT / "open_llama_like"
     local = [*stand_in(), f"train.max_steps={args.steps}"]
@@ -77,7 +77,7 @@ def main() -> None:
     results = {}
     for name, (recipe, extra) in runs.items():
         out = OUT / name.replace(" ", "_").replace(",", "")
-        run = run_sft(load_recipe(recipe, [f"output_dir={out}", *local, *extra]), overwrite=True)
+        run = run_training(load_recipe(recipe, [f"output_dir={out}", *local, *extra]), overwrite=True)
         losses = [e["loss"] for e in run.metrics["train"]["losses"]]
         entry = {"first_loss": losses[0], "last_loss": losses[-1], "losses": losses}
         if name.startswith("full"):

@@ -1,4 +1,5 @@
-"""Training commands: ``sft``, ``dpo``, ``plot`` (a run's loss curve, even while it trains) and ``doctor`` (the
+"""Training commands: ``train`` and one per method (``sft``, ``dpo``, ``orpo``, ``cpo``, ``simpo``), ``plot``
+(a run's loss curve, even while it trains) and ``doctor`` (the
 machine checked, then a few tiny steps trained: the first command on a TPU VM)."""
 
 from __future__ import annotations
@@ -9,7 +10,6 @@ from typing import Annotated
 import typer
 
 from lowmem_tpu.cli.common import OverridesArg, RecipeArg, app, load_args
-from lowmem_tpu.config import Recipe
 from lowmem_tpu.errors import NonFiniteError, UserError
 
 OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace an existing output_dir/final.")]
@@ -18,39 +18,13 @@ ForceResumeOpt = Annotated[
 ]
 
 
-@app.command()
-def sft(
-    recipe: RecipeArg = None,
-    overrides: OverridesArg = None,
-    overwrite: OverwriteOpt = False,
-    force_resume: ForceResumeOpt = False,
-) -> None:
-    """Supervised fine-tuning (LoRA or full) with FSDP over every XLA device."""
-    _train("sft", recipe, overrides, overwrite, force_resume)
-
-
-@app.command()
-def dpo(
-    recipe: RecipeArg = None,
-    overrides: OverridesArg = None,
-    overwrite: OverwriteOpt = False,
-    force_resume: ForceResumeOpt = False,
-) -> None:
-    """Preference tuning with TRL's DPOTrainer: LoRA on the FSDP-sharded base, the base as the reference
-    (lora.enabled: false: the whole model, its reference's log-probabilities computed once before training).
-
-    The recipe's data is preference pairs (data.format: preference); its preference section holds beta and
-    the loss."""
-    _train("dpo", recipe, overrides, overwrite, force_resume)
-
-
 def _train(command: str, recipe: str | None, overrides: list[str] | None, overwrite: bool, force_resume: bool) -> None:
-    loaded = load_args(recipe, overrides)
-    _check_method(command, loaded)
+    # the command names the method (``lowmem-tpu train`` runs the recipe's own)
+    loaded = load_args(recipe, [*(overrides or []), *([f"method={command}"] if command != "train" else [])])
     try:
-        from lowmem_tpu.sft import run_sft
+        from lowmem_tpu.run import run_training
 
-        run = run_sft(loaded, overwrite=overwrite, force_resume=force_resume)
+        run = run_training(loaded, overwrite=overwrite, force_resume=force_resume)
     except NonFiniteError as err:
         typer.echo(f"error: training diverged: {err}", err=True)
         raise typer.Exit(1) from None
@@ -70,19 +44,37 @@ def _train(command: str, recipe: str | None, overrides: list[str] | None, overwr
         raise typer.Exit(143 if run.stopped == "SIGTERM" else 130)
 
 
-def _check_method(command: str, recipe: Recipe) -> None:
-    """The data and the command agree: SFT trains on samples, DPO on preference pairs."""
-    pairs = recipe.data.format == "preference"
-    if command == "sft" and pairs:
-        raise UserError(
-            "data.format: preference holds preference pairs, which SFT does not train on: run "
-            "`lowmem-tpu dpo` with this recipe, or give SFT data (text, alpaca, chat, prompt_completion, sharegpt)"
-        )
-    if command == "dpo" and not pairs:
-        raise UserError(
-            f"lowmem-tpu dpo trains on preference pairs and data.format is {recipe.data.format}: set data.format: "
-            "preference with prompt/chosen/rejected data (TRL's preference formats), or run `lowmem-tpu sft`"
-        )
+def _method_command(name: str, help_text: str) -> None:
+    """``lowmem-tpu NAME RECIPE [KEY=VALUE ...]``: a run of the method ``name`` (``train``: the recipe's own)."""
+
+    def command(
+        recipe: RecipeArg = None,
+        overrides: OverridesArg = None,
+        overwrite: OverwriteOpt = False,
+        force_resume: ForceResumeOpt = False,
+    ) -> None:
+        _train(name, recipe, overrides, overwrite, force_resume)
+
+    command.__doc__ = help_text
+    app.command(name=name)(command)
+
+
+# One command per method (config.methods), and ``train`` for the one the recipe names.
+METHOD_COMMANDS = {
+    "train": "Train as the recipe says: its method (sft, dpo, orpo, cpo, simpo) with FSDP over every XLA device.",
+    "sft": "Supervised fine-tuning (LoRA or full) with FSDP over every XLA device.",
+    "dpo": "Preference tuning with DPO (TRL's DPOTrainer and its losses): LoRA on the FSDP-sharded base, the base "
+    "as the reference (lora.enabled: false: the whole model, its reference's log-probabilities computed once "
+    "before training). The data: preference pairs (data.format: preference); beta and the loss: preference.",
+    "orpo": "ORPO (TRL's ORPOTrainer): SFT and preference in one stage, no reference; on preference pairs, "
+    "preference.beta the odds-ratio weight.",
+    "cpo": "CPO (TRL's CPOTrainer): a preference loss (preference.loss_type sigmoid, hinge or ipo) plus the chosen "
+    "answers' NLL (preference.cpo_alpha), no reference; on preference pairs.",
+    "simpo": "SimPO (TRL's CPOTrainer, loss simpo): length-normalized rewards with a target margin "
+    "(preference.simpo_gamma), no reference; on preference pairs.",
+}
+for _name, _help in METHOD_COMMANDS.items():
+    _method_command(_name, _help)
 
 
 @app.command()

@@ -13,6 +13,7 @@ from typing import Any
 
 from lowmem_tpu.config.assets import BUILTIN, builtin_has_weights, looks_local
 from lowmem_tpu.config.devices import DEVICES
+from lowmem_tpu.config.methods import CPO_LOSSES, METHODS
 from lowmem_tpu.config.rules import batch_split_problem
 
 Problem = tuple[tuple[str, ...], str]
@@ -33,7 +34,8 @@ def cross_problems(recipe: Any) -> list[Problem]:
     if cpu and not accumulation and (split := _cpu_split(recipe)):
         problems.append(split)
     problems += _model_problems(recipe)
-    if recipe.data.format == "preference":
+    problems += _method_problems(recipe)
+    if METHODS[recipe.method].pairs and recipe.data.format in METHODS[recipe.method].formats:
         problems += _preference_problems(recipe)
     problems += _attention_problems(recipe)
     problems += _sharding_problems(recipe.sharding)
@@ -224,16 +226,81 @@ def _data_problems(data: Any) -> list[Problem]:
     return problems
 
 
+def _method_problems(recipe: Any) -> list[Problem]:
+    """The method against the data it trains on."""
+    method = METHODS[recipe.method]
+    if recipe.data.format in method.formats:
+        return []
+    serve = [m.name for m in METHODS.values() if recipe.data.format in m.formats]
+    message = (
+        f"method: {method.name} trains on {' or '.join(method.formats)} data and data.format is "
+        f"{recipe.data.format}; run it with {' or '.join(serve)} (`lowmem-tpu {serve[0]} RECIPE`), or give "
+        f"{method.name} {method.formats[0]} data"
+    )
+    return [(("method", "data.format"), message)]
+
+
+# The preference fields each reference-free method reads; the others are DPO's.
+_READ_BY = {
+    "orpo": {"beta"},
+    "cpo": {"beta", "loss_type", "label_smoothing", "cpo_alpha", "alphapo_alpha"},
+    "simpo": {"beta", "label_smoothing", "cpo_alpha", "simpo_gamma", "alphapo_alpha"},
+}
+_DPO_ONLY = {"cpo_alpha", "simpo_gamma", "alphapo_alpha"}
+
+
+def _spelled(value: Any) -> str:
+    """A value as an override writes it."""
+    if isinstance(value, list):
+        return f"[{','.join(map(str, value))}]"
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+
 def _preference_problems(recipe: Any) -> list[Problem]:
-    """A DPO recipe's settings that would give it a wrong reference or a loss TRL refuses."""
+    """A preference recipe's settings that would give it a wrong reference or a loss TRL refuses."""
     problems: list[Problem] = []
-    data = recipe.data
+    data, p = recipe.data, recipe.preference
+    # set away from its default (a run's saved recipe.yaml spells every default out)
+    given = {
+        name
+        for name, field in type(p).model_fields.items()
+        if getattr(p, name) != field.get_default(call_default_factory=True)
+    }
+    read = _READ_BY.get(recipe.method, set(type(p).model_fields) - _DPO_ONLY)
+    unread = sorted(given - read)
+    if unread:
+        defaults = {name: type(p).model_fields[name].get_default(call_default_factory=True) for name in unread}
+        reset = " ".join(f"preference.{name}={_spelled(value)}" for name, value in defaults.items())
+        message = (
+            f"{', '.join(f'preference.{name}' for name in unread)}: not read by method {recipe.method}, which reads "
+            f"{', '.join(sorted(read))}; remove {'it' if len(unread) == 1 else 'them'} from the recipe (or override: "
+            f"{reset}), or choose the method that reads {'it' if len(unread) == 1 else 'them'}"
+        )
+        problems.append(((*(f"preference.{name}" for name in unread), "method"), message))
+    if recipe.method == "cpo" and (len(p.loss_type) != 1 or p.loss_type[0] not in CPO_LOSSES):
+        message = (
+            f"preference.loss_type: method cpo takes one of {', '.join(CPO_LOSSES)} (CPOTrainer's), not "
+            f"{', '.join(p.loss_type)}; for SimPO use method: simpo"
+        )
+        problems.append((("preference.loss_type", "method"), message))
     if data.packing:
         message = (
             "data.packing: preference pairs are not packed (each pair is two rows of data.max_length, chosen "
             "and rejected, compared whole); set data.packing: false"
         )
         problems.append((("data.packing", "data.format"), message))
+    if recipe.train.chunked_loss:
+        message = (
+            f"train.chunked_loss: a {recipe.method} run always computes its log-probabilities with TRL's LM head; "
+            "set train.chunked_loss: false"
+        )
+        problems.append((("train.chunked_loss", "method"), message))
+    return problems + (_reference_problems(recipe) if METHODS[recipe.method].reference else [])
+
+
+def _reference_problems(recipe: Any) -> list[Problem]:
+    """A DPO recipe's settings that would give it a wrong reference or a loss TRL refuses."""
+    problems: list[Problem] = []
     init = str(recipe.lora.init_lora_weights)
     if recipe.lora.enabled and not recipe.model.adapter and (init.startswith(("pissa", "olora")) or init == "False"):
         message = (
@@ -241,13 +308,7 @@ def _preference_problems(recipe: Any) -> list[Problem]:
             "to a residual), and a DPO run's reference is the base with the adapters switched off: it would not be "
             "the model training starts from; use true or gaussian (B = 0)"
         )
-        problems.append((("lora.init_lora_weights", "data.format"), message))
-    if recipe.train.chunked_loss:
-        message = (
-            "train.chunked_loss: a DPO run always computes its log-probabilities with TRL's LM head; set "
-            "train.chunked_loss: false"
-        )
-        problems.append((("train.chunked_loss", "data.format"), message))
+        problems.append((("lora.init_lora_weights", "method"), message))
     p = recipe.preference
     if not recipe.lora.enabled and p.precompute_ref_log_probs is False:
         message = (

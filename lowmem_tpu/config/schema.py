@@ -1,7 +1,7 @@
 """The recipe schema: one validated, frozen description of a fine-tuning run.
 
 Sections (``model``, ``lora``, ``data``, ``sharding``, ``runtime``, ``train``, ``preference``, ``hub``) plus
-top-level ``output_dir`` and ``extends``. Every field has a description (they feed ``--help``,
+top-level ``method``, ``output_dir`` and ``extends``. Every field has a description (they feed ``--help``,
 ``show`` and docs/recipes.md); unknown keys are errors. Nothing here imports torch.
 """
 
@@ -17,6 +17,7 @@ from pydantic_core import PydanticCustomError
 from lowmem_tpu.config.assets import chat_template_names, check_source
 from lowmem_tpu.config.checks import CROSS_FIELDS, cross_problems
 from lowmem_tpu.config.devices import TARGETS
+from lowmem_tpu.config.methods import METHOD_NAMES, METHODS, method_for_format
 from lowmem_tpu.config.model_fields import LoraSection, ModelSection
 from lowmem_tpu.config.rules import parse_duration
 from lowmem_tpu.config.section import Section
@@ -65,8 +66,8 @@ class DataSection(Section):
         "chat",
         description="text: a text column; alpaca: instruction/input/output; chat: messages of role/content; "
         "prompt_completion: TRL's prompt/completion (strings, or lists of messages); sharegpt: conversations "
-        "of from/value turns; preference (lowmem-tpu dpo): TRL's prompt/chosen/rejected (strings, or lists "
-        "of messages; without prompt, chosen and rejected share it).",
+        "of from/value turns; preference (method dpo, orpo, cpo, simpo): TRL's prompt/chosen/rejected (strings, "
+        "or lists of messages; without prompt, chosen and rejected share it).",
     )
     columns: dict[str, str] = Field(
         default_factory=dict,
@@ -260,7 +261,7 @@ class TrainSection(Section):
 def reference_precomputed(recipe: Recipe) -> bool:
     """Whether a DPO run computes its reference's log-probabilities once, before training
     (``preference.precompute_ref_log_probs``; by default exactly for full-parameter DPO)."""
-    if recipe.data.format != "preference":
+    if not METHODS[recipe.method].reference:
         return False
     chosen = recipe.preference.precompute_ref_log_probs
     return not recipe.lora.enabled if chosen is None else chosen
@@ -275,7 +276,10 @@ def uses_master_weights(recipe: Recipe) -> bool:
 
 
 class PreferenceSection(Section):
-    """Preference tuning (``lowmem-tpu dpo``, data.format: preference): TRL's DPOTrainer and its losses.
+    """Preference tuning (method dpo, orpo, cpo or simpo on data.format: preference): TRL's losses.
+
+    ``beta`` is each method's own (DPO's KL weight, ORPO's odds-ratio weight lambda, CPO's and SimPO's
+    temperature), as in TRL's configs.
 
     The reference is the policy with its adapters switched off (LoRA from fresh adapters: one model, no copy),
     a frozen copy of the adapter it starts from (``model.adapter``), or, precomputed, the model as it is before
@@ -303,6 +307,16 @@ class PreferenceSection(Section):
         None, ge=0, le=1, description="LD-DPO: the weight of tokens past the shorter completion's length (null: 1)."
     )
     discopop_tau: float = Field(0.05, gt=0, description="The DiscoPOP loss's temperature (loss_type: discopop).")
+    cpo_alpha: float | None = Field(
+        None,
+        ge=0,
+        description="CPO and SimPO: the weight of the chosen answers' NLL beside the preference loss (TRL's "
+        "cpo_alpha; null: full weight for cpo, none for simpo)",
+    )
+    simpo_gamma: float = Field(0.5, ge=0, description="SimPO: the target reward margin (TRL's simpo_gamma).")
+    alphapo_alpha: float = Field(
+        0.0, description="CPO and SimPO: AlphaPO's reward shape (TRL's alpha; 0: log-probabilities as rewards)."
+    )
     precompute_ref_log_probs: bool | None = Field(
         None,
         description="The reference's log-probabilities computed in one pass over the pairs before training (TRL's "
@@ -330,6 +344,11 @@ class Recipe(Section):
     extends: str | None = Field(
         None, description="Recipe file this one extends (relative to this file), else a shipped recipe by name."
     )
+    method: Literal[METHOD_NAMES] = Field(  # type: ignore[valid-type]
+        "sft",
+        description="How to train: sft; dpo (against a frozen reference); orpo, cpo, simpo (no reference). "
+        "Unset: dpo for data.format preference, else sft. `lowmem-tpu METHOD RECIPE` sets it.",
+    )
     output_dir: str = Field("outputs/run", description="Where checkpoints and final/ are written.")
     model: ModelSection = Field(default_factory=ModelSection)
     lora: LoraSection = Field(default_factory=LoraSection)
@@ -339,6 +358,16 @@ class Recipe(Section):
     train: TrainSection = Field(default_factory=TrainSection)
     preference: PreferenceSection = Field(default_factory=PreferenceSection)
     hub: HubSection = Field(default_factory=HubSection)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _method_from_data(cls, data: object) -> object:
+        # A recipe that names no method: the one its data asks for (preference pairs: DPO).
+        if isinstance(data, dict) and data.get("method") is None:
+            section = data.get("data") or {}
+            fmt = section.get("format", "chat") if isinstance(section, dict) else section.format
+            data = {**data, "method": method_for_format(fmt)}
+        return data
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Recipe:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import yaml
 
+from lowmem_tpu.config.methods import method_for_format
 from lowmem_tpu.config.read import shipped_recipes
 from lowmem_tpu.errors import UserError
 
@@ -45,7 +46,7 @@ def describe_shipped() -> list[ShippedRecipe]:
     for name, path in shipped_recipes().items():
         header = next((line[1:].strip() for line in path.read_text().splitlines() if line.startswith("#")), "")
         data = read_recipe_file(path)
-        command = "dpo" if data.get("data", {}).get("format") == "preference" else "sft"
+        command = data.get("method") or method_for_format(data.get("data", {}).get("format", "chat"))
         out.append(ShippedRecipe(name, path, header, data.get("runtime", {}).get("target"), command))
     return out
 

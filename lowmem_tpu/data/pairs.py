@@ -181,9 +181,8 @@ def preference_rows(records: datasets.Dataset, cfg: DataSection, tokenizer: Any,
 
 def collate_pairs(rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
     """TRL's preference batch at a static shape: ``[2 x batch, max_length]``, every chosen row first, then
-    every rejected row in the same order (``DataCollatorForPreference``'s layout), as LongTensors; under
-    ``host`` the same as numpy arrays."""
-    import numpy as np
+    every rejected row in the same order (``DataCollatorForPreference``'s layout), as LongTensors; precomputed
+    reference log-probabilities (TRL's ``ref_chosen_logps`` columns) as float32 ``[batch]``."""
     import torch
 
     if not rows:
@@ -192,10 +191,8 @@ def collate_pairs(rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
     for key in PAIR_COLUMNS:
         stacked = torch.stack([torch.as_tensor(row[key], dtype=torch.long) for row in rows])  # [batch, 2, length]
         batch[key] = stacked.transpose(0, 1).reshape(-1, stacked.shape[-1])
-    # The same rows kept on the host (numpy: the device loader moves only tensors), where TRL's loss runs
-    batch["host"] = {key: value.numpy() for key, value in batch.items()}
-    for key in REFERENCE_COLUMNS if REFERENCE_COLUMNS[0] in rows[0] else ():  # precomputed: the host's alone
-        batch["host"][key] = np.asarray([row[key] for row in rows], dtype=np.float32)
+    for key in REFERENCE_COLUMNS if REFERENCE_COLUMNS[0] in rows[0] else ():
+        batch[key] = torch.tensor([row[key] for row in rows], dtype=torch.float32)
     return batch
 
 

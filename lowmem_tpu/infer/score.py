@@ -32,7 +32,17 @@ def _recipe(saved: dict[str, Any], directory: Path, data: str, fmt: str | None, 
     overrides += ["runtime.device=auto"]  # where eval runs: the TPU here, else the CPU backend
     overrides += [f"data.format={fmt}"] if fmt else []
     overrides += [f"data.split={split}"] if split else []
+    overrides += [f"method={scored_method(saved, fmt)}"]
     return as_run_here(with_overrides(saved, overrides))[0]
+
+
+def scored_method(saved: dict[str, Any], fmt: str | None) -> str:
+    """The method whose loss eval reports: the run's own, unless ``fmt`` asks for data it does not read
+    (an SFT model scored on preference pairs: DPO's, against its base)."""
+    from lowmem_tpu.config.methods import METHODS, method_for_format
+
+    method = saved.get("method") or method_for_format((saved.get("data") or {}).get("format", "chat"))
+    return method if fmt is None or fmt in METHODS[method].formats else method_for_format(fmt)
 
 
 def evaluate_directory(
@@ -69,7 +79,9 @@ def evaluate_directory(
 def _check_preference(saved: dict[str, Any], kind: str, directory: Path, fmt: str | None) -> None:
     """A DPO run is scored against its reference: the base under its adapters, or the adapter it started from
     (``model.adapter``). Refused, before any weight loads, where that reference is not there to be had."""
-    if (fmt or saved.get("data", {}).get("format")) != "preference":
+    from lowmem_tpu.config.methods import METHODS
+
+    if not METHODS[scored_method(saved, fmt)].reference:
         return
     started_from = saved.get("model", {}).get("adapter")
     if kind != "adapter" and saved.get("lora", {}).get("enabled") is False:
@@ -87,28 +99,28 @@ def _check_preference(saved: dict[str, Any], kind: str, directory: Path, fmt: st
 
 
 def _score(recipe: Any, runtime: Any, trained: Any, rows: Any, prompts: list, micro: int) -> dict[str, Any]:
+    from lowmem_tpu.config.methods import METHODS
     from lowmem_tpu.data.chat import ending
     from lowmem_tpu.infer.exact_match import greedy_exact_match
-    from lowmem_tpu.train.dpo import build_preference_trainer
-    from lowmem_tpu.train.trainer import build_trainer
+    from lowmem_tpu.train.methods import build_method_trainer
     from lowmem_tpu.xla.runtime import sync
     from lowmem_tpu.xla.sharding import place_parameters
 
     model, tokenizer = trained.model, trained.tokenizer
-    pairs = recipe.data.format == "preference"
-    if pairs and not recipe.lora.enabled:  # before the trained model is placed: one model on the devices at a time
+    method = METHODS[recipe.method]
+    pairs, reference = method.pairs, method.reference
+    if reference and not recipe.lora.enabled:  # before the trained model is placed: one model on the devices
         rows = _reference_rows(recipe, runtime, rows, tokenizer, micro)
     place_parameters(model, runtime, recipe.sharding.strategy)
-    build = build_preference_trainer if pairs else build_trainer
-    trainer = build(recipe, runtime, model, rows, tokenizer, micro, [], eval_dataset=rows)
-    if pairs and recipe.model.adapter:  # the reference: the adapter the run started from, not TRL's copy of this one
-        from lowmem_tpu.train.dpo import load_reference
+    trainer = build_method_trainer(recipe, runtime, model, rows, tokenizer, micro, [], eval_dataset=rows)
+    if reference and recipe.model.adapter:  # the reference: the adapter the run started from, not TRL's copy of it
+        from lowmem_tpu.train.preference import load_reference
 
         load_reference(trainer.policy, Path(recipe.model.adapter).expanduser())
     scores = trainer.evaluate()
     loss = scores.get("eval_loss")
     result: dict[str, Any] = {"loss": loss, "perplexity": math.exp(loss) if loss is not None and loss < 50 else None}
-    if pairs:  # TRL's own figures: DPO's loss is no language-model loss (no perplexity)
+    if pairs:  # TRL's own figures: a preference loss is no language-model loss (no perplexity)
         result |= {
             "perplexity": None,
             "preference_accuracy": scores.get("eval_rewards/accuracies"),
@@ -139,14 +151,14 @@ def _reference_rows(recipe: Any, runtime: Any, rows: Any, tokenizer: Any, micro:
 
     from lowmem_tpu import model as m
     from lowmem_tpu.console import say
-    from lowmem_tpu.train.dpo import build_preference_trainer
+    from lowmem_tpu.train.methods import build_method_trainer
     from lowmem_tpu.xla.sharding import place_parameters
 
     say(f"the reference: {recipe.model.name_or_path}, the model this full-parameter DPO run started from")
     base = m.build_base_model(recipe.model, recipe.train.seed)
     m.align_special_tokens(base, tokenizer)
     place_parameters(base, runtime, recipe.sharding.strategy)
-    trainer = build_preference_trainer(recipe, runtime, base, rows, tokenizer, micro, [], eval_dataset=rows)
+    trainer = build_method_trainer(recipe, runtime, base, rows, tokenizer, micro, [], eval_dataset=rows)
     rows = trainer._with_reference(rows, "eval")
     del trainer, base
     gc.collect()

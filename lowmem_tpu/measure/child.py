@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from lowmem_tpu.config import Recipe, load_recipe, with_fields
+from lowmem_tpu.config.methods import METHODS
 from lowmem_tpu.errors import UserError
 from lowmem_tpu.measure.buffers import out_of_memory
 from lowmem_tpu.measure.local import USER_ERROR, persistent_state
@@ -98,19 +99,15 @@ def _host_peak_rss() -> int:
 
 
 def _trainer(recipe: Recipe, runtime: Any, model: Any, micro: int, callback: Any) -> Any:
-    """The trainer ``lowmem-tpu sft`` (or ``dpo``) builds, on synthetic rows of the recipe's shape."""
-    from lowmem_tpu.train.dpo import build_preference_trainer
-    from lowmem_tpu.train.trainer import build_trainer
+    """The trainer a run of the recipe's method builds, on synthetic rows of the recipe's shape: the program
+    measured is the one a run executes."""
+    from lowmem_tpu.train.methods import build_method_trainer
 
     rows = recipe.train.global_batch_size * (recipe.train.max_steps + 1)
     vocab = model.config.get_text_config().vocab_size
-    if recipe.data.format != "preference":
-        dataset = synthetic_dataset(recipe, vocab, rows)
-        return build_trainer(recipe, runtime, model, dataset, any_tokenizer(recipe), micro, [callback])
-    dataset = synthetic_pairs(recipe, vocab, rows)
-    trainer = build_preference_trainer(recipe, runtime, model, dataset, any_tokenizer(recipe), micro, [callback])
-    trainer.one_program = True  # the DPO step as one program, the loss on the devices (XlaDPOTrainer)
-    return trainer
+    make = synthetic_pairs if METHODS[recipe.method].pairs else synthetic_dataset
+    dataset = make(recipe, vocab, rows)
+    return build_method_trainer(recipe, runtime, model, dataset, any_tokenizer(recipe), micro, [callback])
 
 
 def synthetic_pairs(recipe: Recipe, vocab_size: int, pairs: int) -> Any:
@@ -256,7 +253,7 @@ def _trace(recipe: Recipe, runtime: Any, micro: int, record: dict[str, Any], res
     # in HBM for the optimizer's program after the last micro-batch.
     record["model_placeholders"], record["resident"] = record["placeholders"], []
     trainer = _trainer(recipe, runtime, model, micro, _trace_hook(record, result))
-    if recipe.data.format == "preference":
+    if METHODS[recipe.method].pairs:
         from lowmem_tpu.xla.sharding import fresh_placeholders
 
         fresh_placeholders(model)

@@ -15,6 +15,7 @@ from typing import Any
 
 from lowmem_tpu.config import Recipe, with_overrides
 from lowmem_tpu.config.devices import DEVICES
+from lowmem_tpu.config.methods import METHODS
 from lowmem_tpu.console import size
 from lowmem_tpu.machine import on_tpu
 from lowmem_tpu.measure import local
@@ -99,9 +100,7 @@ def measure_beside_plan(recipe: Recipe) -> dict[str, Any]:
         "source": measured["source"],
         "compile_seconds": measured["compile_seconds"],
         "measured": measured,
-        # DPO: the policy's forward pass, the reference's and the backward pass compiled as one program (the
-        # run's three hold the same tensors; its loss is TRL's, on the host)
-        "step": "the DPO step as one program" if recipe.data.format == "preference" else "the real step",
+        "step": "the real step",
     }
 
 
@@ -138,7 +137,7 @@ def compare_recipe(recipe: Recipe, steps: int, out: Path) -> dict[str, Any]:
         # Full fine-tuning trains the base itself: a quantized (QLoRA) recipe's twin is unquantized.
         unquantized = [] if enabled else ["model.quantize=none"]
         # DPO: each mode's own reference (LoRA's run in every step, full fine-tuning's computed once)
-        reference = ["preference.precompute_ref_log_probs=null"] if recipe.data.format == "preference" else []
+        reference = ["preference.precompute_ref_log_probs=null"] if METHODS[recipe.method].reference else []
         variant = with_overrides(recipe, [f"lora.enabled={str(enabled).lower()}", *unquantized, *reference])
         measured = _measured(variant, steps)
         layout = "tpu" if on_tpu(variant.runtime.device) else "cpu"
@@ -150,7 +149,7 @@ def compare_recipe(recipe: Recipe, steps: int, out: Path) -> dict[str, Any]:
             modes[name]["planned_on_target"] = _planned(on_target) | {"device": target.name}
     result = {"model": recipe.model.name_or_path, "dtype": recipe.model.dtype, "modes": modes}
     result["quantize"] = recipe.model.quantize if recipe.lora.enabled else "none"
-    result["method"] = "dpo" if recipe.data.format == "preference" else "sft"
+    result["method"] = recipe.method
     out.mkdir(parents=True, exist_ok=True)
     (out / "compare.json").write_text(json.dumps(result, indent=2))
     try:

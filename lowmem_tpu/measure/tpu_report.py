@@ -9,6 +9,7 @@ from typing import Any
 
 from lowmem_tpu.config import Recipe
 from lowmem_tpu.config.devices import DEVICES
+from lowmem_tpu.config.methods import METHODS
 from lowmem_tpu.config.schema import reference_precomputed
 from lowmem_tpu.console import size
 from lowmem_tpu.data.fill import Fill
@@ -295,16 +296,16 @@ def compile_beside_plan(
     report = plan_recipe(recipe, device.name, config)  # also refuses a batch the chips do not split
     result = result or compile_recipe(recipe, device)
     plan = report.plan
-    pairs = recipe.data.format == "preference"  # DPO: two rows a pair, and the reference's forward pass
+    method = METHODS[recipe.method]  # a preference method: two rows a pair (DPO: and the reference's pass)
     rows = recipe.train.global_batch_size // recipe.train.gradient_accumulation_steps  # one program's micro-batch
-    positions = rows * (2 if pairs else 1) * recipe.data.max_length // device.devices
+    positions = rows * method.rows_per_example * recipe.data.max_length // device.devices
     per_token = flops_per_token(
         config,
         plan.total_parameters,
         plan.trainable_parameters,
         recipe.data.max_length,
         recipe.lora.enabled,
-        reference_pass=pairs and not reference_precomputed(recipe),
+        reference_pass=method.reference and not reference_precomputed(recipe),
     )
     cost = step_estimate(result, per_token * positions, positions, fill, fill_source)
     advice = None

@@ -27,6 +27,7 @@ from typing import Any
 from lowmem_tpu.config import Recipe, RecipeError, with_overrides
 from lowmem_tpu.config.checks import flash_tiles
 from lowmem_tpu.config.devices import Device
+from lowmem_tpu.config.methods import METHODS
 
 CHECKPOINTING: tuple[bool | str, ...] = (False, "every_4", "every_2", True)  # least recomputation first
 PLANNER_MARGIN = 1.25  # the planner is within -19%..+23% of the compiler on the shipped recipes: keep what it puts near
@@ -132,7 +133,7 @@ def candidates(
     packings = [recipe.data.packing]
     if fills.get(True) and fills.get(False) and fills[True] > fills[False] and not recipe.data.packing:
         packings.append(True)
-    unit = "pairs" if recipe.data.format == "preference" else "rows"
+    unit = "pairs" if METHODS[recipe.method].pairs else "rows"
     own = Candidate(
         rows_now,
         train.gradient_accumulation_steps,

@@ -48,7 +48,7 @@ def _checkpointing(st: Setting, s: Shape, layout: str) -> tuple[Setting, str, st
 
 
 def _chunked_loss(st: Setting, s: Shape, layout: str) -> tuple[Setting, str, str] | None:
-    if st.preference or st.chunked_loss or st.fused_head or s.chunked_loss_refusal:
+    if st.pairs or st.chunked_loss or st.fused_head or s.chunked_loss_refusal:
         return None
     text = "chunked loss (256 positions at a time: no whole [tokens, vocab] logits)"
     return replace(st, chunked_loss=True), text, "train.chunked_loss=true"
@@ -145,12 +145,11 @@ def next_steps(s: Shape, plan: Plan) -> list[Step]:
 
 
 def _loss_kind(st: Setting) -> str:
-    if st.preference:
-        return (
-            "DPO: TRL's LM head, policy and reference"
-            if st.reference_pass
-            else "DPO: TRL's LM head, reference precomputed"
+    if st.pairs:
+        reference = (
+            "policy and reference" if st.reference_pass else "reference precomputed" if st.method == "dpo" else "policy"
         )
+        return f"{st.method.upper()}: TRL's LM head, {reference}"
     return "chunked loss" if st.chunked_loss else "TRL's fused head" if st.fused_head else "full logits"
 
 

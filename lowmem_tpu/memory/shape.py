@@ -7,6 +7,7 @@ from typing import Any
 
 from lowmem_tpu.config import Recipe
 from lowmem_tpu.config.features import Attention, attention_of, chunked_loss_refusal, text_config
+from lowmem_tpu.config.methods import METHODS
 from lowmem_tpu.config.model_fields import LORA_TARGETS, QUANT_BITS
 from lowmem_tpu.config.rules import batch_split_problem
 from lowmem_tpu.config.schema import uses_master_weights
@@ -101,7 +102,7 @@ class Setting:
     attention: str = "eager"  # model.attn_implementation: eager/sdpa keep [length, length] scores, chunked/flash not
     checkpoint_every: int = 1  # with checkpointing: one decoder layer in this many is recomputed
     chunked_loss: bool = False  # train.chunked_loss: the loss over blocks of positions, no whole logits
-    preference: bool = False  # a DPO step: both rows of each pair (global_batch counts rows)
+    method: str = "sft"  # recipe.method (config.methods): a preference step holds both rows of each pair
     precompute_reference: bool | None = None  # preference.precompute_ref_log_probs (None: when not LoRA)
 
     @property
@@ -110,10 +111,15 @@ class Setting:
         return QUANT_BITS.get(self.quantize, 0)
 
     @property
+    def pairs(self) -> bool:
+        """A preference method's step: chosen and rejected rows (global_batch counts rows)."""
+        return METHODS[self.method].pairs
+
+    @property
     def reference_pass(self) -> bool:
-        """Whether each DPO step runs the reference's forward pass (not when its log-probs are precomputed)."""
+        """Whether each step runs a reference's forward pass (DPO's; not when its log-probs are precomputed)."""
         precomputed = not self.lora if self.precompute_reference is None else self.precompute_reference
-        return self.preference and not precomputed
+        return METHODS[self.method].reference and not precomputed
 
     @property
     def sequences(self) -> int:
@@ -146,9 +152,9 @@ def setting_of(recipe: Recipe, devices: int) -> Setting:
         checkpointing=recipe.sharding.checkpoint_every > 0,
         checkpoint_every=max(recipe.sharding.checkpoint_every, 1),
         chunked_loss=t.chunked_loss,
-        # DPO: both rows of every pair through the policy; the reference's forward pass needs no grad and
-        # frees each layer's activations as it goes
-        global_batch=t.global_batch_size * (2 if recipe.data.format == "preference" else 1),
+        # a preference method: both rows of every pair through the policy; DPO's reference pass needs no grad
+        # and frees each layer's activations as it goes
+        global_batch=t.global_batch_size * METHODS[recipe.method].rows_per_example,
         accumulation=t.gradient_accumulation_steps,
         length=recipe.data.max_length,
         optimizer=t.optimizer,
@@ -161,7 +167,7 @@ def setting_of(recipe: Recipe, devices: int) -> Setting:
         master_weights=uses_master_weights(recipe),
         adapter_dtype=recipe.model.dtype if lora.dtype == "model" else "float32",
         attention=getattr(recipe.model, "attn_implementation", "eager"),
-        preference=recipe.data.format == "preference",
+        method=recipe.method,
         precompute_reference=recipe.preference.precompute_ref_log_probs,
     )
     problem = batch_split_problem(t.global_batch_size, t.gradient_accumulation_steps, devices)

@@ -291,7 +291,7 @@ PRECOMPUTED_PREFERENCE_LOGITS = 2
 
 def logits(s: Shape, st: Setting) -> int:
     """The loss's buffer: [tokens, vocab] in the compute dtype, or the chunked loss's blocks of it."""
-    if st.preference:
+    if st.pairs:
         buffers = PREFERENCE_LOGITS if st.reference_pass else PRECOMPUTED_PREFERENCE_LOGITS
         return buffers * st.tokens * s.vocab * DTYPE_BYTES[st.dtype]
     rows = CHUNKED_LOSS_BLOCKS * st.live_sequences * loss_block(st.length) if st.chunked_loss else st.tokens

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from lowmem_tpu.config.assets import BUILTIN, looks_local
+from lowmem_tpu.config.methods import METHODS, method_for_format
 from lowmem_tpu.publish.export import ADAPTER_CONFIG
 
 PROJECT = "lowmem-tpu"
@@ -57,8 +58,7 @@ def metadata(src: dict[str, dict[str, Any]], kind: str, license: str | None, bas
     from huggingface_hub import ModelCardData
 
     mode = src["metrics"].get("mode") or ("lora" if kind == "adapter" or src["merge"] else "full")
-    method = "dpo" if src["recipe"].get("data", {}).get("format") == "preference" else "sft"
-    tags = [PROJECT, method, "lora" if mode == "lora" else "full-fine-tuning"]
+    tags = [PROJECT, _run_method(src["recipe"]), "lora" if mode == "lora" else "full-fine-tuning"]
     if src["merge"]:
         tags.append("merged-lora")
     dataset = hub_id(src["recipe"].get("data", {}).get("path"))
@@ -120,17 +120,35 @@ def _summary(src: dict[str, dict[str, Any]], kind: str, base: str | None) -> str
     return f"A full fine-tune of {base_text} (every parameter trained), {how}."
 
 
+def _run_method(recipe: dict[str, Any]) -> str:
+    """The method a saved recipe trained with (one saved before recipes named it: from its data)."""
+    return recipe.get("method") or method_for_format((recipe.get("data") or {}).get("format", "chat"))
+
+
 def _method(recipe: dict[str, Any]) -> str:
     """How the weights were trained, as the card's first sentence says it."""
-    if (recipe.get("data") or {}).get("format") != "preference":
-        return "supervised fine-tuning (TRL SFTTrainer, PyTorch/XLA FSDP)"
-    p = recipe.get("preference") or {}
-    losses = "+".join(p.get("loss_type") or ["sigmoid"])
-    return f"preference tuning: DPO (TRL DPOTrainer, beta {p.get('beta')}, loss {losses}, PyTorch/XLA FSDP)"
+    name = _run_method(recipe)
+    method = METHODS[name]
+    if not method.pairs:
+        return f"supervised fine-tuning (TRL {method.trainer}, PyTorch/XLA FSDP)"
+    return f"preference tuning: {_method_settings(recipe)} (TRL {method.trainer}'s loss, PyTorch/XLA FSDP)"
+
+
+def _method_settings(recipe: dict[str, Any]) -> str:
+    """A preference method and the settings its loss reads."""
+    name, p = _run_method(recipe), recipe.get("preference") or {}
+    settings = f"{name.upper()}, beta {p.get('beta', 0.1)}"
+    if name == "dpo":
+        settings += f", loss {'+'.join(p.get('loss_type') or ['sigmoid'])}"
+    elif name == "cpo":
+        settings += f", loss {(p.get('loss_type') or ['sigmoid'])[0]}"
+    elif name == "simpo":
+        settings += f", gamma {p.get('simpo_gamma', 0.5)}"
+    return settings
 
 
 def _reference(recipe: dict[str, Any]) -> str:
-    """A DPO run's reference, as ``train.dpo`` made it."""
+    """A DPO run's reference, as ``train.preference`` made it."""
     lora = (recipe.get("lora") or {}).get("enabled", True)
     precomputed = (recipe.get("preference") or {}).get("precompute_ref_log_probs")
     what = "the base model" if lora else "the starting model"
@@ -187,15 +205,14 @@ def _recipe_section(recipe: dict[str, Any], metrics: dict[str, Any]) -> str:
         ("sequence length", f"{d.get('max_length')} (packing {_on(d.get('packing'))})"),
         ("sharding", f"{s.get('strategy')} over {devices}, activation checkpointing {checkpointing}"),
     ]
-    dpo = d.get("format") == "preference"
-    if dpo:
-        p = recipe.get("preference", {})
-        rows.insert(2, ("method", f"DPO, beta {p.get('beta')}, loss {'+'.join(p.get('loss_type') or [])}"))
+    command = _run_method(recipe)
+    if METHODS[command].pairs:
+        rows.insert(2, ("method", _method_settings(recipe)))
+    if METHODS[command].reference:
         if m.get("adapter"):
             rows.insert(3, ("started from", f"`{m['adapter']}` (also the reference, frozen)"))
         else:
             rows.insert(3, ("reference", _reference(recipe)))
-    command = "dpo" if dpo else "sft"
     rerun = f"The whole resolved recipe is in `recipe.yaml`; `{PROJECT} {command} recipe.yaml` runs it again."
     return "## Recipe\n\n" + _table(rows, ("setting", "value")) + "\n\n" + rerun
 

@@ -25,8 +25,12 @@ def training_args(recipe: Recipe, micro_batch: int) -> SFTConfig:
 
 
 def preference_args(recipe: Recipe, micro_batch: int) -> DPOConfig:
-    """DPOConfig for the XLA FSDPv2 path: TRL's loss with the recipe's ``preference`` section; the rows
-    come ready (``lowmem_tpu.data.pairs``), so TRL's truncation never applies."""
+    """DPOConfig for the XLA FSDPv2 path, every preference method's (their losses are ``train.pair_loss``'s);
+    the rows come ready (``lowmem_tpu.data.pairs``), so TRL's truncation never applies. A method without a
+    reference says ``precompute_ref_log_probs`` so that TRL makes no reference copy (trap ``dpo-reference-hash``);
+    the trainer then computes none."""
+    from lowmem_tpu.config.methods import METHODS
+
     p = recipe.preference
     return DPOConfig(
         **_shared(recipe, micro_batch),
@@ -41,7 +45,7 @@ def preference_args(recipe: Recipe, micro_batch: int) -> DPOConfig:
         discopop_tau=p.discopop_tau,
         max_length=None,
         disable_dropout=True,
-        precompute_ref_log_probs=reference_precomputed(recipe),  # computed on the devices (train.dpo)
+        precompute_ref_log_probs=reference_precomputed(recipe) or not METHODS[recipe.method].reference,
     )
 
 

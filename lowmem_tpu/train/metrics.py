@@ -89,13 +89,17 @@ class MetricsCallback(TrainerCallback):
 
 
 RUNNING = ("tokens", "label_tokens", "correct")  # the running sums of each mode, from which the figures come
+MEAN = "mean:"  # a method's figure: the sum over micro-batches of its per-micro-batch value (``add_means``)
+MICRO_BATCHES = "micro_batches"
 
 
 class DeviceMetrics:
     """The loss's companions kept on the device between logs (trap ``per-step-item``), read at logging time.
 
     Running sums by ``MODE/KEY`` (tokens, label tokens, correct predictions), and from them the log's
-    figures: token accuracy, step time, tokens per second, MFU, and the per-device memory.
+    figures: token accuracy, step time, tokens per second, MFU, and the per-device memory; a method's own
+    figures (DPO's rewards, ORPO's log odds: ``config.methods``) as TRL logs them, the mean over the window's
+    micro-batches of each micro-batch's value.
     """
 
     def __init__(self, recipe: Any, runtime: Any, flops_per_token: float | None, planned_bytes: int | None):
@@ -115,11 +119,20 @@ class DeviceMetrics:
             value = value.detach().float()
             self.totals[name] = self.totals[name] + value if name in self.totals else value
 
+    def add_means(self, mode: str, figures: dict[str, torch.Tensor]) -> None:
+        """One micro-batch's figures, averaged over the micro-batches between two logs."""
+        self.add(mode, **{f"{MEAN}{key}": value for key, value in figures.items()})
+        self.add(mode, **{MICRO_BATCHES: torch.ones((), device=next(iter(figures.values())).device)})
+
     def zeros(self, mode: str) -> list[torch.Tensor]:
         """Every running sum, ``mode``'s not started yet started at 0 (step 1 as step 2 has them: ``train.steady``)."""
-        # DPO's token accuracy is TRL's own (mean_token_accuracy), not counted here
-        running = RUNNING[:2] if self.recipe.data.format == "preference" else RUNNING
-        for key in running:
+        from lowmem_tpu.config.methods import METHODS
+
+        method = METHODS[self.recipe.method]
+        # a preference method's token accuracy is TRL's own (mean_token_accuracy), not counted here
+        running = RUNNING[:2] if method.pairs else RUNNING
+        means = (*(f"{MEAN}{key}" for key in method.metrics), MICRO_BATCHES) if method.metrics else ()
+        for key in (*running, *means):
             self.totals.setdefault(f"{mode}/{key}", torch.zeros((), device=self.runtime.device))
         return list(self.totals.values())
 
@@ -128,6 +141,10 @@ class DeviceMetrics:
         names = [name for name in self.totals if name.startswith(f"{mode}/")]
         values = torch.stack([self.totals[n] for n in names]).cpu().tolist() if names else []
         return {n.split("/", 1)[1]: v for n, v in zip(names, values, strict=True)}
+
+    def means(self, mode: str) -> dict[str, float]:
+        """The method's figures over every micro-batch so far (a sync)."""
+        return _means(self.read(mode), {})
 
     def figures(self, mode: str, step: int) -> dict[str, float]:
         """What a log adds to the Trainer's: throughput and memory in training, token accuracy in evaluation."""
@@ -138,7 +155,8 @@ class DeviceMetrics:
             return {}
         for name in [n for n in self.totals if n.startswith("eval/")]:
             del self.totals[name]  # each evaluation reports its own figures
-        return (
+        means = {f"eval_{key}": value for key, value in _means(totals, {}).items()}
+        return means | (
             {"eval_token_accuracy": totals["correct"] / max(totals["label_tokens"], 1)} if "correct" in totals else {}
         )
 
@@ -151,6 +169,7 @@ class DeviceMetrics:
         steps = step - previous["step"]
         delta = {k: totals[k] - previous.get(k, 0.0) for k in totals}
         out = {"token_accuracy": delta["correct"] / max(delta["label_tokens"], 1)} if "correct" in delta else {}
+        out |= _means(totals, previous)
         if steps and now > previous_time:
             seconds = now - previous_time
             out |= {
@@ -160,7 +179,9 @@ class DeviceMetrics:
             }
             if self.runtime.peak_flops and self.flops_per_token:
                 # Padding tokens are computed too: count every position, not only real tokens.
-                rows = 2 if self.recipe.data.format == "preference" else 1  # DPO: chosen and rejected
+                from lowmem_tpu.config.methods import METHODS
+
+                rows = METHODS[self.recipe.method].rows_per_example  # a pair: chosen and rejected
                 positions = steps * self.recipe.train.global_batch_size * rows * self.recipe.data.max_length
                 achieved = positions * self.flops_per_token / seconds / self.runtime.num_devices
                 out["mfu"] = achieved / self.runtime.peak_flops
@@ -175,3 +196,15 @@ class DeviceMetrics:
             out["memory_peak_gib"] = max(d["peak"] for d in devices) / 2**30
             out["memory_limit_gib"] = min(d["limit"] for d in devices) / 2**30
         return out
+
+
+def _means(totals: dict[str, float], previous: dict[str, float]) -> dict[str, float]:
+    """A method's figures over the micro-batches since ``previous``: the mean of each micro-batch's value."""
+    count = totals.get(MICRO_BATCHES, 0.0) - previous.get(MICRO_BATCHES, 0.0)
+    if count <= 0:
+        return {}
+    return {
+        key.removeprefix(MEAN): (value - previous.get(key, 0.0)) / count
+        for key, value in totals.items()
+        if key.startswith(MEAN)
+    }

@@ -5,7 +5,7 @@
 
 :class:`XlaTrainerMixin` is what any TRL trainer needs on this stack (wrapping, the optimizer,
 checkpoints, resume, logging); :class:`XlaSFTTrainer` mixes it into ``SFTTrainer`` and adds SFT's
-collator and loss; ``train.dpo.XlaDPOTrainer`` mixes it into ``DPOTrainer``.
+collator and loss; ``train.preference.XlaPreferenceTrainer`` mixes it into ``DPOTrainer``.
 
 The traps of plain TRL on XLA, listed here and nowhere else; code and docs name them (trap ``NAME``):
 
@@ -40,15 +40,14 @@ The traps of plain TRL on XLA, listed here and nowhere else; code and docs name 
 - ``resume-rng``: on resume the Trainer restores the RNG after fetching the step's batches, but
   torch_xla's device loader advances the XLA seed once per batch (it cuts a graph per batch): those
   advances are replayed, so dropout draws exactly what the uninterrupted run drew.
-- ``dpo-on-the-host``: TRL's DPO loss reads each metric with ``.item()`` and sums some through boolean masks:
-  on XLA each read runs the graph that makes it (the forward pass again) and each masked sum has a shape
-  set by the data (a compile per batch). TRL's ``_compute_loss`` runs unchanged on host copies of the
-  forward passes' outputs, made on the devices (every live tensor then device data), the gradient flowing
-  back through the copies (``train.dpo.OnDevice``).
+- ``preference-item``: TRL's preference losses read each metric with ``.item()`` and sum some through
+  boolean masks: on XLA each read runs the graph that makes it (the forward pass again) and each masked sum
+  has a shape set by the data (a compile per batch). The losses are written for the devices at static shapes
+  (``train.pair_loss``), checked against TRL's own: one program per micro-batch, the figures read per log.
 - ``dpo-reference-hash``: with ``precompute_ref_log_probs`` TRL's DPOTrainer hashes every weight on the host
   when it is built (its cache key), a sharded model brought to one host; without it and without adapters TRL
   loads a second copy of the model as the reference. The flag is set and the hash skipped: the reference's
-  log-probabilities are computed on the devices when training starts (``train.dpo``).
+  log-probabilities are computed on the devices when training starts (``train.preference``).
 - ``loader-threads``: torch_xla's device loader starts prefetching threads at each iteration; a run that
   stops mid-epoch leaves them blocked on a full queue, batches held, for the life of the process: they
   are closed after ``train()``.
@@ -72,27 +71,10 @@ from lowmem_tpu.model.loss import add_chunked_loss
 from lowmem_tpu.model.names import ParamNames
 from lowmem_tpu.train import checkpoint as ckpt
 from lowmem_tpu.train import steady
-from lowmem_tpu.train.args import training_args
 from lowmem_tpu.train.master import fp32_copy, with_master_weights
 from lowmem_tpu.train.metrics import DeviceMetrics
 from lowmem_tpu.xla import runtime as rt
 from lowmem_tpu.xla.sharding import wrap_model
-
-
-def build_trainer(
-    recipe: Recipe,
-    runtime: rt.Runtime,
-    model: torch.nn.Module,
-    train_dataset: Any,
-    tokenizer: Any,
-    micro_batch: int,
-    callbacks: list[TrainerCallback],
-    **extra: Any,
-) -> XlaSFTTrainer:
-    """The trainer of a run (and of the memory measurement), on a model already placed on the devices;
-    ``extra``: :func:`trainer_kwargs`'s keywords."""
-    kwargs = trainer_kwargs(recipe, runtime, model, train_dataset, tokenizer, callbacks, **extra)
-    return XlaSFTTrainer(args=training_args(recipe, micro_batch), **kwargs)
 
 
 def trainer_kwargs(
@@ -260,8 +242,8 @@ class XlaTrainerMixin:
         """The wrapped model (wrapping it now if training has not started)."""
         return self._wrap_model(self.model, training=False)
 
-    # The log that receives the device figures: transformers' (not SFT's TRL one: trap ``per-step-item``); the
-    # DPO trainer's is TRL's, which averages the metrics its loss read on the host (trap ``dpo-on-the-host``).
+    # The log that receives the device figures: transformers' (not TRL's, which average lists filled by
+    # per-step ``.item()`` calls: trap ``per-step-item``).
     base_log = Trainer.log
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:

@@ -91,11 +91,11 @@ def test_the_model_card_shows_the_memory_the_run_recorded(saving_run):
 def test_a_missing_reporting_integration_is_refused_before_loading(tmp_path):
     from lowmem_tpu.config import load_recipe
     from lowmem_tpu.errors import UserError
-    from lowmem_tpu.sft import run_sft
+    from lowmem_tpu.run import run_training
 
     recipe = load_recipe(None, [f"output_dir={tmp_path}", "train.report_to=[tensorboard, wandb]"])
     with pytest.raises(UserError, match=r"train\.report_to: wandb needs the wandb package.*pip install wandb"):
-        run_sft(recipe)
+        run_training(recipe)
     assert not (tmp_path / "final").exists()
 
 
@@ -156,11 +156,11 @@ def test_a_checkpoint_exports_as_final_and_restores_on_8_devices_and_back_bit_fo
     """A checkpoint's export equals final/ (adapter or model); sharded state (DCP with torch_xla's SPMD planners)
     saved on 4 devices restores on 8 and back, each device count reading only its own regions."""
     from lowmem_tpu.config import load_recipe
-    from lowmem_tpu.sft import run_sft
+    from lowmem_tpu.run import run_training
     from lowmem_tpu.train import checkpoint as ckpt
 
     overrides = ("train.max_steps=2", "train.save_steps=2", "train.eval_samples=0", "data.eval_path=null", *mode)
-    run_sft(load_recipe("recipes/tiny_lora_cpu.yaml", [f"output_dir={tmp_path / 'on4'}", *overrides]))
+    run_training(load_recipe("recipes/tiny_lora_cpu.yaml", [f"output_dir={tmp_path / 'on4'}", *overrides]))
     saved = tmp_path / "on4" / "checkpoints" / "step-2"
     kinds = {key.split("/")[0] for key in ckpt.read_metadata(saved)}
     assert kinds == (

@@ -18,11 +18,12 @@ import torch
 from tiny_models import make_adapter, make_base
 
 from lowmem_tpu.config.assets import ASSETS
+from lowmem_tpu.config.methods import METHODS
 from lowmem_tpu.config.schema import DPO_LOSSES
 
 PAIRS = ASSETS / "reverse" / "prefer_train.jsonl"
 HELPERS = Path(__file__).resolve().parents[1] / "helpers"
-COMPARED = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen")
+COMPARED = ("loss", *METHODS["dpo"].metrics)
 
 
 def _trl_on_the_cpu(
@@ -38,9 +39,9 @@ def _trl_on_the_cpu(
 
 def _xla_step(
     base: Path, adapter: Path, pairs: int, beta: float, losses: str, out: Path, start: Path | None = None,
-    options: dict | None = None,
+    options: dict | None = None, method: str = "dpo",
 ) -> dict:  # fmt: skip
-    """One XlaDPOTrainer loss on the devices, the policy ``adapter`` on ``base``; the reference the base, or
+    """One XlaPreferenceTrainer loss on the devices, the policy ``adapter`` on ``base``; the reference the base, or
     with ``start`` the frozen copy of that adapter TRL makes (the policy then moved to ``adapter``'s weights).
     ``adapter`` a model directory: full-parameter DPO, the reference's log-probs precomputed by ``base``
     (the model before training), the policy then moved to that model's weights."""
@@ -49,10 +50,10 @@ def _xla_step(
     from lowmem_tpu import data
     from lowmem_tpu import model as m
     from lowmem_tpu.config import load_recipe
-    from lowmem_tpu.data.pairs import PAIR_COLUMNS, collate_pairs
+    from lowmem_tpu.data.pairs import collate_pairs
     from lowmem_tpu.model.names import ParamNames
     from lowmem_tpu.train.args import preference_args
-    from lowmem_tpu.train.dpo import XlaDPOTrainer
+    from lowmem_tpu.train.preference import XlaPreferenceTrainer
     from lowmem_tpu.xla.runtime import configure_environment, setup_runtime, sync
     from lowmem_tpu.xla.sharding import place_parameters
 
@@ -61,7 +62,7 @@ def _xla_step(
     overrides += ["lora.enabled=false"] if full else [f"model.adapter={start or adapter}"]
     overrides += [f"output_dir={out}", f"train.global_batch_size={pairs}", f"preference.beta={beta}"]
     overrides += [f"preference.{key}={json.dumps(value)}" for key, value in (options or {}).items()]
-    overrides += ["train.eval_steps=null", "data.eval_path=null", "train.eval_samples=0"]
+    overrides += ["train.eval_steps=null", "data.eval_path=null", "train.eval_samples=0", f"method={method}"]
     recipe = load_recipe("recipes/tiny_dpo_cpu.yaml", [*overrides, f"preference.loss_type=[{losses}]"])
     configure_environment(recipe.runtime)
     runtime = setup_runtime(recipe.runtime)
@@ -70,7 +71,7 @@ def _xla_step(
     rows, _ = data.build_dataset(recipe.data, tokenizer, max_samples=pairs)
     policy = m.apply_lora(m.build_base_model(recipe.model), recipe)
     place_parameters(policy, runtime, recipe.sharding.strategy)
-    trainer = XlaDPOTrainer(
+    trainer = XlaPreferenceTrainer(
         fresh_adapters=start is None,  # the reference: the base, as TRL's with a fresh PEFT model
         recipe=recipe, runtime=runtime, names=ParamNames(policy), model=policy,
         args=preference_args(recipe, pairs), train_dataset=rows, processing_class=tokenizer,
@@ -86,16 +87,19 @@ def _xla_step(
         for key, value in load_file(str(adapter / "adapter_model.safetensors")).items():
             trainer.names.params[trainer.names.adapter_keys[key]].data.copy_(value.to(runtime.device))
     batch = collate_pairs([rows[i] for i in range(pairs)])
-    batch |= {key: batch[key].to(runtime.device) for key in PAIR_COLUMNS}
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({key: batch[key] for key in ("input_ids", "attention_mask", "completion_mask")}, out / "rows.safetensors")
+    batch = {key: value.to(runtime.device) for key, value in batch.items()}
     wrapped = trainer.fsdp_model
     wrapped.train()
     loss = trainer.compute_loss(wrapped, batch)
     assert isinstance(loss, torch.Tensor) and loss.device.type == "xla"
-    loss.backward()  # through the host copies, back onto the devices
+    loss.backward()
     sync()  # one program for every gradient: .cpu() on each pending one would compile a program each
     grads = {name: p.grad.cpu() for name, p in trainer.names.params.items() if p.requires_grad}  # clean names
-    metrics = {key: values[-1] for key, values in trainer._metrics["train"].items()}
-    return {"loss": loss.item(), **metrics, "grads": grads}
+    return {"loss": loss.item(), **trainer.device_metrics.means("train"), "grads": grads}
 
 
 @pytest.mark.parametrize(
@@ -130,6 +134,43 @@ def test_the_xla_step_computes_trls_loss_and_rewards(tmp_path, losses, options):
     assert sorted(ours["grads"]) == sorted(expected) and expected
     for name, grad in expected.items():  # every adapter's gradient, as TRL computes it
         assert torch.allclose(ours["grads"][name], grad, atol=1e-5, rtol=1e-3), name
+
+
+@pytest.mark.parametrize(
+    ("method", "loss", "options"),
+    [
+        ("orpo", "sigmoid", {}),
+        ("cpo", "hinge", {"label_smoothing": 0.0}),
+        ("cpo", "sigmoid", {"label_smoothing": 0.1, "alphapo_alpha": 0.2}),  # AlphaPO's rewards
+        ("simpo", "sigmoid", {"simpo_gamma": 0.3}),
+    ],
+    ids=["orpo", "cpo-hinge", "cpo-alphapo", "simpo"],
+)
+def test_the_reference_free_methods_compute_trls_loss_metrics_and_gradients(tmp_path, method, loss, options):
+    """ORPO, CPO and SimPO on the devices (one policy pass, no reference) against TRL's ORPOTrainer and
+    CPOTrainer on plain CPU PyTorch, fed the same rows: loss, every figure TRL logs, every adapter's gradient."""
+    base = make_base(tmp_path / "base")
+    adapter = make_adapter(base, tmp_path / "adapter", r=4)
+    ours = _xla_step(base, adapter, 8, 0.5, loss, tmp_path / "run", options=options, method=method)
+    trl_options = {"beta": 0.5, **{k.removeprefix("alphapo_"): v for k, v in options.items()}}
+    if method == "cpo":
+        trl_options["loss_type"] = loss
+    env = {**os.environ, "USE_TORCH_XLA": "0", "PJRT_DEVICE": "", "HF_HUB_OFFLINE": "1"}
+    command = [sys.executable, str(HELPERS / "pair_reference.py"), method, str(base), str(adapter)]
+    command += [str(tmp_path / "run" / "rows.safetensors"), json.dumps(trl_options), str(tmp_path / "trl.json")]
+    subprocess.run(command, env=env, check=True, timeout=300)
+    trl = json.loads((tmp_path / "trl.json").read_text())
+    assert sorted(trl) == sorted(("loss", *METHODS[method].metrics))  # the table lists what TRL logs
+    for key in trl:
+        assert ours[key] == pytest.approx(trl[key], abs=1e-4, rel=1e-4), key
+    from safetensors.torch import load_file
+
+    expected = load_file(str(tmp_path / "trl.json.grads.safetensors"))
+    assert sorted(ours["grads"]) == sorted(expected) and expected
+    for name, grad in expected.items():
+        # AlphaPO's rewards (exp(-alpha x log p) of summed log-probs) put fp32's rounding at ~2e-5 of gradients ~1.5
+        atol = 3e-5 if options.get("alphapo_alpha") else 1e-5
+        assert torch.allclose(ours["grads"][name], grad, atol=atol, rtol=1e-3), name
 
 
 @pytest.mark.slow

@@ -25,7 +25,7 @@ from lowmem_tpu.config import load_recipe
     ],
 )
 def test_each_format_trains_through_the_shipped_recipe(model_dir, tmp_path, fmt, records, extra):
-    from lowmem_tpu.sft import run_sft
+    from lowmem_tpu.run import run_training
 
     data = write(tmp_path / f"{fmt}.jsonl", records)
     local = [f"output_dir={tmp_path / 'run'}", f"model.name_or_path={model_dir}", f"data.path={data}"]
@@ -40,7 +40,7 @@ def test_each_format_trains_through_the_shipped_recipe(model_dir, tmp_path, fmt,
         "train.max_wall_time=null",
         "runtime.compile_cache_dir=null",
     ]
-    run = run_sft(load_recipe("recipes/open_llama_lora.yaml", [f"data.format={fmt}", *local, *extra]))
+    run = run_training(load_recipe("recipes/open_llama_lora.yaml", [f"data.format={fmt}", *local, *extra]))
     losses = [e["loss"] for e in run.metrics["train"]["losses"]]
     assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
     assert run.metrics["data"]["rows"] == 16 and run.metrics["data"]["dropped"] == 0

@@ -57,13 +57,13 @@ STEPS = [
 
 
 def sft(recipe: str, tmp_path: Path, model_dir: Path, alpaca: Path, *overrides: str):
-    from lowmem_tpu.sft import run_sft
+    from lowmem_tpu.run import run_training
 
     loaded = load_recipe(
         recipe,
         [f"output_dir={tmp_path}", f"model.name_or_path={model_dir}", f"data.path={alpaca}", *STEPS, *overrides],
     )
-    return run_sft(loaded)
+    return run_training(loaded)
 
 
 @pytest.mark.slow

@@ -14,16 +14,16 @@ from pathlib import Path
 
 
 def main(checkpoint: Path, out: Path, overrides: list[str]) -> None:
-    from lowmem_tpu import sft
+    from lowmem_tpu import run
     from lowmem_tpu.config import load_recipe, micro_batch_size
     from lowmem_tpu.xla.runtime import setup_runtime
 
     recipe = load_recipe("recipes/tiny_lora_cpu.yaml", [*overrides, f"output_dir={out}"])
     out.mkdir(parents=True, exist_ok=True)
     runtime = setup_runtime(recipe.runtime)
-    tokenizer = sft._tokenizer(recipe)
-    train_ds, _, eval_ds, _ = sft._data(recipe, tokenizer, out)
-    job = sft._build(recipe, runtime, tokenizer, train_ds, eval_ds, micro_batch_size(recipe, runtime.num_devices), out)
+    tokenizer = run._tokenizer(recipe)
+    train_ds, _, eval_ds, _ = run._data(recipe, tokenizer, out)
+    job = run._build(recipe, runtime, tokenizer, train_ds, eval_ds, micro_batch_size(recipe, runtime.num_devices), out)
     trainer = job.trainer
     trainer._wrap_model(trainer.model)  # the wrapped model and its optimizer, as training starts them
     trainer.create_scheduler(num_training_steps=recipe.train.max_steps, optimizer=trainer.optimizer)

@@ -69,7 +69,7 @@ METRICS = {  # the keys sft's _metrics writes, with plausible values
 
 def train_tiny(tmp_path_factory, name: str, *overrides: str):
     """``sft`` on the embedded recipe in a fresh temporary output_dir: (recipe, result)."""
-    from lowmem_tpu.sft import run_sft
+    from lowmem_tpu.run import run_training
 
     recipe = load_recipe("recipes/tiny_lora_cpu.yaml", [f"output_dir={tmp_path_factory.mktemp(name)}", *overrides])
-    return recipe, run_sft(recipe)
+    return recipe, run_training(recipe)

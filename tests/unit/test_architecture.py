@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "lowmem_tpu"
 MAX_LINES = 400
 
 # Which of our parts each part may import (besides the basic modules, which import nothing of ours but
-# ``errors``, ``hosts`` and ``console``). ``sft`` and ``cli`` compose everything.
+# ``errors``, ``hosts`` and ``console``). ``run`` and ``cli`` compose everything.
 MAY_IMPORT = {
     "config": {"config"},
     "model": {"config", "model"},

@@ -1,7 +1,8 @@
-"""``lowmem-tpu sft``: one recipe in, one ``output_dir/final`` out, readable top to bottom.
+"""A training run (``lowmem-tpu sft``, ``dpo``, ``orpo``, ...): one recipe in, one ``output_dir/final`` out,
+readable top to bottom.
 
 recipe -> runtime -> tokenizer + data -> base model -> LoRA / full -> sharded model
--> XlaSFTTrainer -> adapter or full model, tokenizer, recipe.yaml, metrics.json
+-> the method's trainer (``train.methods``) -> adapter or full model, tokenizer, recipe.yaml, metrics.json
 
 This module composes the folders (``config``, ``xla``, ``model``, ``data``, ``train``,
 ``publish``); it holds no technique of its own.
@@ -25,9 +26,9 @@ if TYPE_CHECKING:  # the types of a run's state, imported when the run builds it
 
     from lowmem_tpu.memory.plan import Plan
     from lowmem_tpu.model.names import ParamNames
-    from lowmem_tpu.train.dpo import XlaDPOTrainer
     from lowmem_tpu.train.guard import GuardCallback
     from lowmem_tpu.train.metrics import MetricsCallback
+    from lowmem_tpu.train.preference import XlaPreferenceTrainer
     from lowmem_tpu.train.trainer import XlaSFTTrainer
     from lowmem_tpu.xla.runtime import Runtime
 
@@ -45,12 +46,12 @@ def prepare_output(recipe: Recipe, overwrite: bool) -> Path:
 
 
 @dataclass(kw_only=True)
-class SftRun:
+class TrainingRun:
     """What a finished run leaves: its metrics, its output, and the live (sharded) model."""
 
     metrics: dict[str, Any]
     final_dir: Path | None  # final/, or the checkpoint a stopped run saved (None if it saved none)
-    trainer: XlaSFTTrainer | XlaDPOTrainer  # ``trainer.fsdp_model`` is the trained, wrapped model
+    trainer: XlaSFTTrainer | XlaPreferenceTrainer  # ``trainer.fsdp_model`` is the trained, wrapped model
     names: ParamNames  # of the unwrapped model
     stopped: str | None = None  # "SIGTERM", "SIGINT" or "max_wall_time" when it saved and stopped early
 
@@ -61,7 +62,7 @@ class Job:
 
     model: torch.nn.Module  # the unwrapped (PEFT) model; its parameters live sharded on the devices
     names: ParamNames  # taken before wrapping
-    trainer: XlaSFTTrainer | XlaDPOTrainer
+    trainer: XlaSFTTrainer | XlaPreferenceTrainer
     metrics: MetricsCallback
     guard: GuardCallback
     base: str  # where the adapter's base lives (recorded in adapter_config.json)
@@ -74,7 +75,7 @@ class Job:
     plan: Plan | None  # this run on its devices (None for an architecture the planner lacks)
 
 
-def run_sft(recipe: Recipe, overwrite: bool = False, force_resume: bool = False) -> SftRun:
+def run_training(recipe: Recipe, overwrite: bool = False, force_resume: bool = False) -> TrainingRun:
     """Train as the recipe says and write ``output_dir/final`` (or a checkpoint, if stopped early).
 
     One run per ``output_dir``: a second one (two notebook cells, two shells) is refused while this one lives.
@@ -98,12 +99,12 @@ def run_sft(recipe: Recipe, overwrite: bool = False, force_resume: bool = False)
     runtime = setup_runtime(recipe.runtime)  # on a pod slice: which host this is, and the host group
     lock = holding(Path(recipe.output_dir), "output_dir") if hosts.is_main() else contextlib.nullcontext()
     with lock:
-        run = _run_sft(recipe, runtime, overwrite, force_resume, started)
+        run = _run_training(recipe, runtime, overwrite, force_resume, started)
     hosts.leave()
     return run
 
 
-def _run_sft(recipe: Recipe, runtime: Any, overwrite: bool, force_resume: bool, started: float) -> SftRun:
+def _run_training(recipe: Recipe, runtime: Any, overwrite: bool, force_resume: bool, started: float) -> TrainingRun:
     from lowmem_tpu.preflight import preflight
     from lowmem_tpu.train import checkpoint as ckpt
 
@@ -138,7 +139,9 @@ def _run_sft(recipe: Recipe, runtime: Any, overwrite: bool, force_resume: bool, 
             f"stopped at step {job.trainer.state.global_step} ({job.guard.stop_reason}); checkpoint saved in {where}. "
             "Run the same command again to resume (train.resume: auto)."
         )
-        return SftRun(metrics={}, final_dir=where, trainer=job.trainer, names=job.names, stopped=job.guard.stop_reason)
+        return TrainingRun(
+            metrics={}, final_dir=where, trainer=job.trainer, names=job.names, stopped=job.guard.stop_reason
+        )
     after = _evaluate(job, prompts, "after training")
 
     from lowmem_tpu.memory.record import memory_record
@@ -154,7 +157,7 @@ def _run_sft(recipe: Recipe, runtime: Any, overwrite: bool, force_resume: bool, 
     final = _save(recipe, job, tokenizer, out, metrics, started)
     hosts.leave()  # the hosts' work together ends with final/; host 0 alone reports and pushes
     if not hosts.is_main():
-        return SftRun(metrics=metrics, final_dir=final, trainer=job.trainer, names=job.names)
+        return TrainingRun(metrics=metrics, final_dir=final, trainer=job.trainer, names=job.names)
     from lowmem_tpu.train.plot import plot_finished_run
 
     say(plot_finished_run(out, final))  # final/loss.png; a failed picture is one line, never a failed run
@@ -163,7 +166,7 @@ def _run_sft(recipe: Recipe, runtime: Any, overwrite: bool, force_resume: bool, 
         from lowmem_tpu.publish.hub import push_after_training
 
         say(f"pushed {final} to {recipe.hub.repo_id}: {push_after_training(final, recipe)}")
-    return SftRun(metrics=metrics, final_dir=final, trainer=job.trainer, names=job.names)
+    return TrainingRun(metrics=metrics, final_dir=final, trainer=job.trainer, names=job.names)
 
 
 def _tokenizer(recipe: Recipe) -> Any:
@@ -242,13 +245,13 @@ def _train(job: Job, resume: Path | None) -> Any:
 def _build(recipe: Recipe, runtime, tokenizer, train_ds, eval_ds, micro: int, out: Path) -> Job:
     from lowmem_tpu import model as m
     from lowmem_tpu.config import parse_duration
+    from lowmem_tpu.config.methods import METHODS
     from lowmem_tpu.config.schema import reference_precomputed
     from lowmem_tpu.memory.record import run_plan
-    from lowmem_tpu.train.dpo import build_preference_trainer
     from lowmem_tpu.train.guard import GuardCallback
+    from lowmem_tpu.train.methods import build_method_trainer
     from lowmem_tpu.train.metrics import JsonlLog, MetricsCallback
     from lowmem_tpu.train.progress import ProgressCallback
-    from lowmem_tpu.train.trainer import build_trainer
     from lowmem_tpu.xla.sharding import place_parameters
 
     init = ", random init" if recipe.model.random_init else ""
@@ -268,15 +271,14 @@ def _build(recipe: Recipe, runtime, tokenizer, train_ds, eval_ds, micro: int, ou
     metrics = MetricsCallback()
     wall = parse_duration(t.max_wall_time) if t.max_wall_time else None
     guard = GuardCallback(wall, t.loss_spike_factor, say, skip_nonfinite=t.on_nonfinite == "skip")
-    preference = recipe.data.format == "preference"
-    reference_pass = preference and not reference_precomputed(recipe)
+    reference_pass = METHODS[recipe.method].reference and not reference_precomputed(recipe)
     flops = m.flops_per_token(
         model.config, total, trainable, recipe.data.max_length, recipe.lora.enabled, reference_pass=reference_pass
     )
     plan = run_plan(recipe, model.config, runtime.platform, runtime.kind, runtime.num_devices)
     shown = [JsonlLog(recipe.output_dir, runtime), ProgressCallback()] if hosts.is_main() else []
     callbacks = [metrics, guard, *shown]
-    trainer = (build_preference_trainer if preference else build_trainer)(
+    trainer = build_method_trainer(
         recipe,
         runtime,
         model,
