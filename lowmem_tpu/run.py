@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from lowmem_tpu import faults, hosts
 from lowmem_tpu.config import Recipe, micro_batch_size
+from lowmem_tpu.config.methods import METHODS
 from lowmem_tpu.console import say
 from lowmem_tpu.errors import UserError
 
@@ -188,11 +189,12 @@ def _data(recipe: Recipe, tokenizer: Any, out: Path) -> tuple[Any, dict[str, Any
     from lowmem_tpu.data.rows import describe_cuts
 
     cache_dir = out / "data_cache"
+    unpaired = METHODS[recipe.method].rows == "unpaired"  # KTO: labelled rows, preference pairs unpaired
     # Every host builds the same global batches (XLA keeps each host's rows): host 0 tokenizes and
     # writes the cache, the others then read it.
     several = hosts.several()
     train_ds, stats = _host_0_first(
-        lambda: data.build_dataset(recipe.data, tokenizer, cache_dir=cache_dir, digest=several)
+        lambda: data.build_dataset(recipe.data, tokenizer, cache_dir=cache_dir, digest=several, unpaired=unpaired)
     )
     differs = hosts.disagreement("the training rows", stats.get("rows_sha256"))
     if differs:
@@ -206,7 +208,7 @@ def _data(recipe: Recipe, tokenizer: Any, out: Path) -> tuple[Any, dict[str, Any
     eval_ds = prompts = None
     if recipe.data.eval_path or recipe.data.eval_fraction:
         eval_ds, held = _host_0_first(
-            lambda: data.build_dataset(recipe.data, tokenizer, role="eval", cache_dir=cache_dir)
+            lambda: data.build_dataset(recipe.data, tokenizer, role="eval", cache_dir=cache_dir, unpaired=unpaired)
         )
         say(f"held-out data: {held['samples']:,} samples -> {held['rows']:,} rows")
         if recipe.train.eval_samples:
@@ -245,7 +247,6 @@ def _train(job: Job, resume: Path | None) -> Any:
 def _build(recipe: Recipe, runtime, tokenizer, train_ds, eval_ds, micro: int, out: Path) -> Job:
     from lowmem_tpu import model as m
     from lowmem_tpu.config import parse_duration
-    from lowmem_tpu.config.methods import METHODS
     from lowmem_tpu.config.schema import reference_precomputed
     from lowmem_tpu.memory.record import run_plan
     from lowmem_tpu.train.guard import GuardCallback
@@ -271,9 +272,9 @@ def _build(recipe: Recipe, runtime, tokenizer, train_ds, eval_ds, micro: int, ou
     metrics = MetricsCallback()
     wall = parse_duration(t.max_wall_time) if t.max_wall_time else None
     guard = GuardCallback(wall, t.loss_spike_factor, say, skip_nonfinite=t.on_nonfinite == "skip")
-    reference_pass = METHODS[recipe.method].reference and not reference_precomputed(recipe)
+    passes = METHODS[recipe.method].forward_passes(reference_precomputed(recipe))
     flops = m.flops_per_token(
-        model.config, total, trainable, recipe.data.max_length, recipe.lora.enabled, reference_pass=reference_pass
+        model.config, total, trainable, recipe.data.max_length, recipe.lora.enabled, forward_passes=passes
     )
     plan = run_plan(recipe, model.config, runtime.platform, runtime.kind, runtime.num_devices)
     shown = [JsonlLog(recipe.output_dir, runtime), ProgressCallback()] if hosts.is_main() else []

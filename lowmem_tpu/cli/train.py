@@ -1,4 +1,4 @@
-"""Training commands: ``train`` and one per method (``sft``, ``dpo``, ``orpo``, ``cpo``, ``simpo``), ``plot``
+"""Training commands: ``train`` and one per method (``sft``, ``dpo``, ``orpo``, ``cpo``, ``simpo``, ``kto``), ``plot``
 (a run's loss curve, even while it trains) and ``doctor`` (the
 machine checked, then a few tiny steps trained: the first command on a TPU VM)."""
 
@@ -61,7 +61,7 @@ def _method_command(name: str, help_text: str) -> None:
 
 # One command per method (config.methods), and ``train`` for the one the recipe names.
 METHOD_COMMANDS = {
-    "train": "Train as the recipe says: its method (sft, dpo, orpo, cpo, simpo) with FSDP over every XLA device.",
+    "train": "Train as the recipe says: its method (sft, dpo, orpo, cpo, simpo, kto) with FSDP over every XLA device.",
     "sft": "Supervised fine-tuning (LoRA or full) with FSDP over every XLA device.",
     "dpo": "Preference tuning with DPO (TRL's DPOTrainer and its losses): LoRA on the FSDP-sharded base, the base "
     "as the reference (lora.enabled: false: the whole model, its reference's log-probabilities computed once "
@@ -72,6 +72,8 @@ METHOD_COMMANDS = {
     "answers' NLL (preference.cpo_alpha), no reference; on preference pairs.",
     "simpo": "SimPO (TRL's CPOTrainer, loss simpo): length-normalized rewards with a target margin "
     "(preference.simpo_gamma), no reference; on preference pairs.",
+    "kto": "KTO (TRL's KTOTrainer): desirable and undesirable completions, unpaired (data.format: unpaired, TRL's "
+    "prompt/completion/label; or preference pairs, each read as two rows), against the base as the reference.",
 }
 for _name, _help in METHOD_COMMANDS.items():
     _method_command(_name, _help)

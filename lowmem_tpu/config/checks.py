@@ -35,7 +35,7 @@ def cross_problems(recipe: Any) -> list[Problem]:
         problems.append(split)
     problems += _model_problems(recipe)
     problems += _method_problems(recipe)
-    if METHODS[recipe.method].pairs and recipe.data.format in METHODS[recipe.method].formats:
+    if METHODS[recipe.method].preference and recipe.data.format in METHODS[recipe.method].formats:
         problems += _preference_problems(recipe)
     problems += _attention_problems(recipe)
     problems += _sharding_problems(recipe.sharding)
@@ -245,8 +245,9 @@ _READ_BY = {
     "orpo": {"beta"},
     "cpo": {"beta", "loss_type", "label_smoothing", "cpo_alpha", "alphapo_alpha"},
     "simpo": {"beta", "label_smoothing", "cpo_alpha", "simpo_gamma", "alphapo_alpha"},
+    "kto": {"beta", "kto_loss", "desirable_weight", "undesirable_weight"},
 }
-_DPO_ONLY = {"cpo_alpha", "simpo_gamma", "alphapo_alpha"}
+_DPO_ONLY = {"cpo_alpha", "simpo_gamma", "alphapo_alpha", "kto_loss", "desirable_weight", "undesirable_weight"}
 
 
 def _spelled(value: Any) -> str:
@@ -295,6 +296,19 @@ def _preference_problems(recipe: Any) -> list[Problem]:
             "set train.chunked_loss: false"
         )
         problems.append((("train.chunked_loss", "method"), message))
+    if recipe.method == "kto" and not recipe.lora.enabled:
+        message = (
+            "lora.enabled: false: KTO runs its reference in every step, as the base under the adapters; full-"
+            "parameter KTO would need a frozen copy of the model (or the reference precomputed, not supported "
+            "for KTO yet): set lora.enabled: true"
+        )
+        problems.append((("lora.enabled", "method"), message))
+    if recipe.method == "kto" and recipe.train.global_batch_size // recipe.train.gradient_accumulation_steps < 2:
+        message = (
+            "train.global_batch_size: KTO's KL term pairs each row with another row's completion in the same "
+            "micro-batch, which needs at least 2 rows; raise train.global_batch_size or lower the accumulation"
+        )
+        problems.append((BATCH, message))
     return problems + (_reference_problems(recipe) if METHODS[recipe.method].reference else [])
 
 

@@ -18,30 +18,50 @@ class Method:
     """One way to train: its data, the shape of its step and what it reports."""
 
     name: str
-    summary: str  # the command's help and the model card's line
+    summary: str  # the model card's line
     trainer: str  # the TRL trainer whose loss and metrics it reproduces
     formats: tuple[str, ...]  # the data formats it trains on
-    rows_per_example: int  # rows of data.max_length tokens per record (a pair: chosen and rejected)
-    reference: bool  # a frozen reference's log-probabilities (a pass per micro-batch, or precomputed)
+    rows: str  # what a batch holds: "samples", "pairs" (chosen and rejected rows) or "unpaired" (labelled rows)
+    passes: int  # forward passes over a micro-batch's rows in a step (reference and KL rows included)
+    reference_passes: int  # of those, the frozen reference's (none when its log-probabilities are precomputed)
     metrics: tuple[str, ...]  # what its loss logs beside the loss (TRL's names)
 
     @property
     def pairs(self) -> bool:
-        return self.rows_per_example == 2
+        return self.rows == "pairs"
+
+    @property
+    def preference(self) -> bool:
+        """Trained on preferences (TRL's preference losses, on pairs or labelled rows), not samples."""
+        return self.rows != "samples"
+
+    @property
+    def reference(self) -> bool:
+        return self.reference_passes > 0
+
+    @property
+    def rows_per_example(self) -> int:
+        """Rows of data.max_length tokens per example the global batch counts (a pair: chosen and rejected)."""
+        return 2 if self.pairs else 1
+
+    def forward_passes(self, precomputed: bool) -> int:
+        """Forward passes per micro-batch, the reference's left out where precomputed."""
+        return self.passes - (self.reference_passes if precomputed else 0)
 
 
 SFT_FORMATS = ("text", "alpaca", "chat", "prompt_completion", "sharegpt")
 METHODS: dict[str, Method] = {
     m.name: m
     for m in (
-        Method("sft", "supervised fine-tuning", "SFTTrainer", SFT_FORMATS, 1, False, ()),
+        Method("sft", "supervised fine-tuning", "SFTTrainer", SFT_FORMATS, "samples", 1, 0, ()),
         Method(
             "dpo",
             "direct preference optimization against a frozen reference",
             "DPOTrainer",
             ("preference",),
+            "pairs",
             2,
-            True,
+            1,
             (*REWARDS, *LOGPS, "entropy", "mean_token_accuracy"),
         ),
         Method(
@@ -49,8 +69,9 @@ METHODS: dict[str, Method] = {
             "odds-ratio preference optimization: SFT and preference in one stage, no reference",
             "ORPOTrainer",
             ("preference",),
-            2,
-            False,
+            "pairs",
+            1,
+            0,
             (*REWARDS, *LOGPS, "nll_loss", "log_odds_ratio", "log_odds_chosen"),
         ),
         Method(
@@ -58,8 +79,9 @@ METHODS: dict[str, Method] = {
             "contrastive preference optimization: a preference loss plus the chosen answers' NLL, no reference",
             "CPOTrainer",
             ("preference",),
-            2,
-            False,
+            "pairs",
+            1,
+            0,
             (*REWARDS, *LOGPS, "nll_loss"),
         ),
         Method(
@@ -67,14 +89,24 @@ METHODS: dict[str, Method] = {
             "simple preference optimization: length-normalized rewards with a target margin, no reference",
             "CPOTrainer (loss_type simpo)",
             ("preference",),
-            2,
-            False,
+            "pairs",
+            1,
+            0,
             (*REWARDS, *LOGPS, "nll_loss"),
+        ),
+        Method(
+            "kto",
+            "Kahneman-Tversky optimization: desirable and undesirable answers, unpaired, against a frozen reference",
+            "KTOTrainer",
+            ("unpaired", "preference"),
+            "unpaired",
+            4,  # the policy and the reference, each on the rows and on the KL rows (another row's completion)
+            2,
+            ("kl", "entropy", "logits/chosen", "logits/rejected", *REWARDS[:2], "rewards/margins", *LOGPS[:2]),
         ),
     )
 }
 METHOD_NAMES = tuple(METHODS)
-PREFERENCE_METHODS = tuple(name for name, m in METHODS.items() if m.pairs)
 CPO_LOSSES = ("sigmoid", "hinge", "ipo")  # CPOTrainer's (simpo is the simpo method)
 
 

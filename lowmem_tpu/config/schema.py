@@ -30,6 +30,7 @@ FORMAT_FIELDS: dict[str, tuple[str, ...]] = {
     "prompt_completion": ("prompt", "completion"),
     "sharegpt": ("conversations",),
     "preference": ("prompt", "chosen", "rejected"),
+    "unpaired": ("prompt", "completion", "label"),
 }
 # TRL's DPO losses (DPOConfig.loss_type, trl 1.16), each computed by TRL's DPOTrainer.
 DPO_LOSSES = (
@@ -62,12 +63,13 @@ class DataSection(Section):
         description="Chat template for format chat: plain or chatml (shipped), or a Jinja file "
         "(default: the tokenizer's own, else plain). Saved with the tokenizer in final/.",
     )
-    format: Literal["text", "alpaca", "chat", "prompt_completion", "sharegpt", "preference"] = Field(
+    format: Literal["text", "alpaca", "chat", "prompt_completion", "sharegpt", "preference", "unpaired"] = Field(
         "chat",
         description="text: a text column; alpaca: instruction/input/output; chat: messages of role/content; "
         "prompt_completion: TRL's prompt/completion (strings, or lists of messages); sharegpt: conversations "
         "of from/value turns; preference (method dpo, orpo, cpo, simpo): TRL's prompt/chosen/rejected (strings, "
-        "or lists of messages; without prompt, chosen and rejected share it).",
+        "or lists of messages; without prompt, chosen and rejected share it); unpaired (method kto): TRL's "
+        "prompt/completion/label, the label true for a desirable completion.",
     )
     columns: dict[str, str] = Field(
         default_factory=dict,
@@ -314,6 +316,13 @@ class PreferenceSection(Section):
         "cpo_alpha; null: full weight for cpo, none for simpo)",
     )
     simpo_gamma: float = Field(0.5, ge=0, description="SimPO: the target reward margin (TRL's simpo_gamma).")
+    kto_loss: Literal["kto", "apo_zero_unpaired"] = Field(
+        "kto", description="KTO: its loss (TRL's KTOConfig.loss_type): kto, or apo_zero_unpaired (no KL term)."
+    )
+    desirable_weight: float = Field(
+        1.0, gt=0, description="KTO: the weight of the desirable rows' losses (raise it when they are the fewer)."
+    )
+    undesirable_weight: float = Field(1.0, gt=0, description="KTO: the weight of the undesirable rows' losses.")
     alphapo_alpha: float = Field(
         0.0, description="CPO and SimPO: AlphaPO's reward shape (TRL's alpha; 0: log-probabilities as rewards)."
     )

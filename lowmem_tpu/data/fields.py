@@ -57,7 +57,7 @@ def require_columns(records: datasets.Dataset, cfg: DataSection, source: str) ->
 def suggest(found: list[str], current: str) -> str:
     """The format (or column map) that would read records with these columns."""
     names = set(found)
-    for fmt, fields in FORMAT_FIELDS.items():
+    for fmt, fields in sorted(FORMAT_FIELDS.items(), key=lambda item: -len(item[1])):  # the most fields first
         needed = {f for f in fields if (fmt, f) not in OPTIONAL}
         if fmt != current and needed <= names:
             return f"the columns look like {fmt} data: set data.format: {fmt}"

@@ -72,26 +72,35 @@ def record_parts(record: dict[str, Any], cfg: DataSection, where: str) -> tuple[
 def _texts(record: dict[str, Any], cfg: DataSection, tokenizer: Any, where: str) -> list[str]:
     """[prompt, prompt + chosen, prompt + rejected] as the texts to tokenize."""
     prompt, chosen, rejected = record_parts(record, cfg, where)
+    return joined_texts(prompt, [chosen, rejected], tokenizer, where)
+
+
+def joined_texts(prompt: Any, completions: list[Any], tokenizer: Any, where: str) -> list[str]:
+    """[prompt, prompt + each completion] as TRL's trainers tokenize them: plain texts with EOS once at each
+    completion's end; conversations rendered, the prompt with the generation prompt."""
     if isinstance(prompt, str):
         eos = tokenizer.eos_token
-        return [prompt, *(prompt + (c if c.endswith(eos) else c + eos) for c in (chosen, rejected))]
+        return [prompt, *(prompt + (c if c.endswith(eos) else c + eos) for c in completions)]
     if not getattr(tokenizer, "chat_template", None):
         raise DataError(
             f"{where}: conversational preference data is rendered with a chat template and the tokenizer has "
             "none: set data.chat_template (plain or chatml, shipped, or a Jinja file)"
         )
-    return [
-        render(tokenizer, prompt, True, where),
-        *(render(tokenizer, prompt + c, False, where) for c in (chosen, rejected)),
-    ]
+    return [render(tokenizer, prompt, True, where), *(render(tokenizer, prompt + c, False, where) for c in completions)]
+
+
+def split_completions(ids: list[list[int]], tokenizer: Any) -> tuple[list[int], ...]:
+    """(prompt, each completion) ids from [prompt, prompt + each completion]: each led by the BOS the tokenizer
+    puts first (as TRL's tokenization with special tokens, or a template that writes it), the completions from
+    where the texts part."""
+    prompt, *joined = (led_by_bos(tokenizer, part) for part in ids)
+    start = min(common_prefix(prompt, text) for text in joined)
+    return prompt[:start], *(text[start:] for text in joined)
 
 
 def _pair(ids: list[list[int]], tokenizer: Any) -> Pair:
-    """(prompt, chosen, rejected) ids: each text led by the BOS the tokenizer puts first (as TRL's tokenization
-    with special tokens, or a template that writes it), the completions from where the texts part."""
-    prompt, chosen, rejected = (led_by_bos(tokenizer, part) for part in ids)
-    start = min(common_prefix(prompt, chosen), common_prefix(prompt, rejected))
-    return prompt[:start], chosen[start:], rejected[start:]
+    prompt, chosen, rejected = split_completions(ids, tokenizer)
+    return prompt, chosen, rejected
 
 
 def encode_pairs(records: datasets.Dataset, cfg: DataSection, tokenizer: Any, source: str) -> list[Pair]:

@@ -31,6 +31,7 @@ from lowmem_tpu.data.formats import (
 from lowmem_tpu.data.pairs import preference_prompts, preference_rows
 from lowmem_tpu.data.sources import DataError, length_percentiles
 from lowmem_tpu.data.splits import Role, select_records
+from lowmem_tpu.data.unpaired import unpaired_rows
 
 if TYPE_CHECKING:
     import datasets
@@ -54,6 +55,7 @@ def build_dataset(
     max_samples: int | None = None,
     cache_dir: Path | None = None,
     digest: bool = False,
+    unpaired: bool = False,
 ) -> tuple[datasets.Dataset, dict[str, Any]]:
     """Load, format and tokenize one part of the data into rows of exactly ``cfg.max_length`` tokens.
 
@@ -64,7 +66,8 @@ def build_dataset(
     ``cfg.too_long`` (with packing too: a split sample would lose its prompt); samples with no trained
     token left are dropped. With ``cfg.packing`` whole samples share rows, kept apart by ``segment_ids``
     and restarting ``position_ids`` (see ``_pack``).
-    With ``cache_dir`` the rows are kept on disk, keyed by the records, the tokenizer and the settings,
+    ``unpaired``: rows for KTO (``data.unpaired``: one completion per row and its label; preference pairs
+    unpaired). With ``cache_dir`` the rows are kept on disk, keyed by the records, the tokenizer and the settings,
     and read back instead of tokenizing again.
 
     Returns the dataset and stats: samples (records read), rows, truncated, dropped (dropped_too_long:
@@ -85,10 +88,12 @@ def build_dataset(
     if not len(records):
         raise DataError(f"{source}: no records to train on")
     settings = cfg.model_dump(exclude={"eval_path", "eval_split"}) | {"role": role, "source": source, "limit": limit}
+    settings |= {"unpaired": True} if unpaired else {}
     key = cache.cache_key(records._fingerprint, tokenizer, settings)
     found = cache.load(cache_dir, key)
     if found is None:
-        arrays, stats = (preference_rows if cfg.format == "preference" else _rows)(records, cfg, tokenizer, source)
+        make = unpaired_rows if unpaired else preference_rows if cfg.format == "preference" else _rows
+        arrays, stats = make(records, cfg, tokenizer, source)
         cache.save(cache_dir, key, arrays, stats)
     else:
         arrays, stats = found
@@ -118,6 +123,11 @@ def exact_match_prompts(
     if cfg.format == "preference":
         require_columns(records, cfg, source)
         return preference_prompts(records, cfg, tokenizer, source, n)
+    if cfg.format == "unpaired":  # the desirable completions are the answers
+        require_columns(records, cfg, source)
+        label = cfg.columns.get("label", "label")
+        records = records.filter(lambda record: record[label] is True)
+        cfg = cfg.model_copy(update={"format": "prompt_completion"})
     return prompt_answer_pairs(records, cfg, tokenizer, source, n)
 
 

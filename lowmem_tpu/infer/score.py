@@ -50,6 +50,7 @@ def evaluate_directory(
 ) -> dict[str, Any]:
     """Loss, perplexity, token accuracy and greedy exact match of the model in ``directory`` on ``data``."""
     from lowmem_tpu import data as d
+    from lowmem_tpu.config.methods import METHODS
     from lowmem_tpu.console import say
     from lowmem_tpu.data.formats import require_columns
     from lowmem_tpu.infer.load import kind_of, load_trained
@@ -69,7 +70,8 @@ def evaluate_directory(
         runtime = rt.setup_runtime(RuntimeSection(device="auto", num_cpu_devices=recipe.runtime.num_cpu_devices))
         trained = load_trained(Path(directory))
         micro = micro_batch_size(recipe, runtime.num_devices)
-        rows, stats = d.build_dataset(recipe.data, trained.tokenizer, role="eval", path=data)
+        unpaired = METHODS[recipe.method].rows == "unpaired"
+        rows, stats = d.build_dataset(recipe.data, trained.tokenizer, role="eval", path=data, unpaired=unpaired)
         with_answers = recipe.data.format != "text" and n > 0
         prompts = d.exact_match_prompts(recipe.data, trained.tokenizer, data, n) if with_answers else []
         say(f"{data}: {stats['samples']:,} samples -> {stats['rows']:,} rows; {len(prompts)} exact-match prompts")
@@ -108,7 +110,7 @@ def _score(recipe: Any, runtime: Any, trained: Any, rows: Any, prompts: list, mi
 
     model, tokenizer = trained.model, trained.tokenizer
     method = METHODS[recipe.method]
-    pairs, reference = method.pairs, method.reference
+    pairs, reference = method.preference, method.reference
     if reference and not recipe.lora.enabled:  # before the trained model is placed: one model on the devices
         rows = _reference_rows(recipe, runtime, rows, tokenizer, micro)
     place_parameters(model, runtime, recipe.sharding.strategy)

@@ -105,7 +105,8 @@ def _trainer(recipe: Recipe, runtime: Any, model: Any, micro: int, callback: Any
 
     rows = recipe.train.global_batch_size * (recipe.train.max_steps + 1)
     vocab = model.config.get_text_config().vocab_size
-    make = synthetic_pairs if METHODS[recipe.method].pairs else synthetic_dataset
+    method = METHODS[recipe.method]
+    make = synthetic_pairs if method.pairs else synthetic_unpaired if method.preference else synthetic_dataset
     dataset = make(recipe, vocab, rows)
     return build_method_trainer(recipe, runtime, model, dataset, any_tokenizer(recipe), micro, [callback])
 
@@ -120,6 +121,20 @@ def synthetic_pairs(recipe: Recipe, vocab_size: int, pairs: int) -> Any:
     completion = np.zeros((pairs, 2, length), dtype=np.int64)
     completion[:, :, length // 2 :] = 1
     columns = {"input_ids": ids, "attention_mask": np.ones_like(ids), "completion_mask": completion}
+    return datasets.Dataset.from_dict({key: value.tolist() for key, value in columns.items()})
+
+
+def synthetic_unpaired(recipe: Recipe, vocab_size: int, rows: int) -> Any:
+    """KTO's labelled rows of ``data.max_length`` random tokens, half of them completion, half desirable."""
+    import datasets
+    import numpy as np
+
+    length = recipe.data.max_length
+    ids = np.random.default_rng(0).integers(3, vocab_size, size=(rows, length))
+    completion = np.zeros((rows, length), dtype=np.int64)
+    completion[:, length // 2 :] = 1
+    columns = {"input_ids": ids, "attention_mask": np.ones_like(ids), "completion_mask": completion}
+    columns["label"] = np.arange(rows) % 2 == 0
     return datasets.Dataset.from_dict({key: value.tolist() for key, value in columns.items()})
 
 
@@ -253,7 +268,7 @@ def _trace(recipe: Recipe, runtime: Any, micro: int, record: dict[str, Any], res
     # in HBM for the optimizer's program after the last micro-batch.
     record["model_placeholders"], record["resident"] = record["placeholders"], []
     trainer = _trainer(recipe, runtime, model, micro, _trace_hook(record, result))
-    if METHODS[recipe.method].pairs:
+    if METHODS[recipe.method].preference:
         from lowmem_tpu.xla.sharding import fresh_placeholders
 
         fresh_placeholders(model)

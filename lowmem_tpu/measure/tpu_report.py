@@ -305,7 +305,7 @@ def compile_beside_plan(
         plan.trainable_parameters,
         recipe.data.max_length,
         recipe.lora.enabled,
-        reference_pass=method.reference and not reference_precomputed(recipe),
+        forward_passes=method.forward_passes(reference_precomputed(recipe)),
     )
     cost = step_estimate(result, per_token * positions, positions, fill, fill_source)
     advice = None

@@ -12,6 +12,7 @@ from typing import Any
 from lowmem_tpu.config import Recipe
 from lowmem_tpu.config.checks import flash_tiles
 from lowmem_tpu.config.devices import Device, GiB, find_device
+from lowmem_tpu.config.methods import METHODS
 from lowmem_tpu.errors import UserError
 from lowmem_tpu.machine import host_memory
 from lowmem_tpu.memory.plan import Plan, plan_setting
@@ -48,7 +49,7 @@ def _checkpointing(st: Setting, s: Shape, layout: str) -> tuple[Setting, str, st
 
 
 def _chunked_loss(st: Setting, s: Shape, layout: str) -> tuple[Setting, str, str] | None:
-    if st.pairs or st.chunked_loss or st.fused_head or s.chunked_loss_refusal:
+    if st.preference or st.chunked_loss or st.fused_head or s.chunked_loss_refusal:
         return None
     text = "chunked loss (256 positions at a time: no whole [tokens, vocab] logits)"
     return replace(st, chunked_loss=True), text, "train.chunked_loss=true"
@@ -145,11 +146,10 @@ def next_steps(s: Shape, plan: Plan) -> list[Step]:
 
 
 def _loss_kind(st: Setting) -> str:
-    if st.pairs:
-        reference = (
-            "policy and reference" if st.reference_pass else "reference precomputed" if st.method == "dpo" else "policy"
-        )
-        return f"{st.method.upper()}: TRL's LM head, {reference}"
+    if st.preference:
+        reference = "reference precomputed" if METHODS[st.method].reference else "no reference"
+        passes = f"{st.forward_passes} forward pass{'es' if st.forward_passes > 1 else ''}"
+        return f"{st.method.upper()}: TRL's LM head, {passes}" + ("" if st.reference_pass else f", {reference}")
     return "chunked loss" if st.chunked_loss else "TRL's fused head" if st.fused_head else "full logits"
 
 

@@ -111,15 +111,23 @@ class Setting:
         return QUANT_BITS.get(self.quantize, 0)
 
     @property
-    def pairs(self) -> bool:
-        """A preference method's step: chosen and rejected rows (global_batch counts rows)."""
-        return METHODS[self.method].pairs
+    def preference(self) -> bool:
+        """A preference method's step (TRL's LM head; global_batch counts rows: a pair is two)."""
+        return METHODS[self.method].preference
+
+    @property
+    def reference_precomputed(self) -> bool:
+        return not self.lora if self.precompute_reference is None else self.precompute_reference
 
     @property
     def reference_pass(self) -> bool:
-        """Whether each step runs a reference's forward pass (DPO's; not when its log-probs are precomputed)."""
-        precomputed = not self.lora if self.precompute_reference is None else self.precompute_reference
-        return METHODS[self.method].reference and not precomputed
+        """Whether each step runs a reference's forward pass (DPO's, KTO's; not when precomputed)."""
+        return METHODS[self.method].reference and not self.reference_precomputed
+
+    @property
+    def forward_passes(self) -> int:
+        """Forward passes over the micro-batch's rows in a step (the reference's and KTO's KL rows included)."""
+        return METHODS[self.method].forward_passes(self.reference_precomputed)
 
     @property
     def sequences(self) -> int:

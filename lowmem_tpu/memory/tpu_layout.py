@@ -280,19 +280,18 @@ CHUNKED_LOSS_BLOCKS = 2
 TRAINED_HEAD_LOGITS = 2
 
 
-# A DPO step's [tokens, vocab] buffers (both rows of every pair), in units of the SFT step's one: TRL's LM head
-# for the policy (its fp32 log-probabilities kept for the backward pass) and for the reference pass. Read off
-# the TPU compiler's figures for the shipped DPO recipes: 3.4 more than the SFT plan's one for Llama 3.1 8B on
-# v5e-8, 2.8 more for Llama 3.2 3B on v5e-1 (docs/tpu_compile.json).
-PREFERENCE_LOGITS = 4
-# The same with the reference's log-probabilities precomputed (full-parameter DPO): the policy's alone.
-PRECOMPUTED_PREFERENCE_LOGITS = 2
+# A preference step's [tokens, vocab] buffers per forward pass over its rows, in units of the SFT step's one:
+# TRL's LM head for the policy (its fp32 log-probabilities kept for the backward pass), and for each pass more
+# (DPO's reference; KTO's KL rows and reference). Read off the TPU compiler's figures for the shipped DPO
+# recipes (two passes): 3.4 more than the SFT plan's one for Llama 3.1 8B on v5e-8, 2.8 more for Llama 3.2 3B
+# on v5e-1 (docs/tpu_compile.json).
+PREFERENCE_PASS_LOGITS = 2
 
 
 def logits(s: Shape, st: Setting) -> int:
     """The loss's buffer: [tokens, vocab] in the compute dtype, or the chunked loss's blocks of it."""
-    if st.pairs:
-        buffers = PREFERENCE_LOGITS if st.reference_pass else PRECOMPUTED_PREFERENCE_LOGITS
+    if st.preference:
+        buffers = PREFERENCE_PASS_LOGITS * st.forward_passes
         return buffers * st.tokens * s.vocab * DTYPE_BYTES[st.dtype]
     rows = CHUNKED_LOSS_BLOCKS * st.live_sequences * loss_block(st.length) if st.chunked_loss else st.tokens
     copies = TRAINED_HEAD_LOGITS if not st.lora and not st.chunked_loss and _spread(st) == "sharded" else 1

@@ -136,7 +136,7 @@ def count_parameters(model: Any) -> tuple[int, int]:
 
 
 def flops_per_token(
-    config: Any, total: int, trainable: int, seq_len: int, lora: bool, reference_pass: bool = False
+    config: Any, total: int, trainable: int, seq_len: int, lora: bool, forward_passes: int = 1
 ) -> float:
     """Training FLOPs per token, counting LoRA's cheaper backward honestly.
 
@@ -145,7 +145,8 @@ def flops_per_token(
     twice the forward for both: gradients of the activations (2 per weight) and of the weights (2 per
     *trainable* weight: a frozen base skips those), and attention's backward is two matmuls per
     forward matmul whether or not anything trains. Recomputation by checkpointing is not counted
-    (model FLOPs, not hardware FLOPs). ``reference_pass``: one more forward (DPO's reference log-probs).
+    (model FLOPs, not hardware FLOPs). ``forward_passes``: forward passes over the
+    rows per step (DPO's with its reference: 2; KTO's: 4).
     """
     config = text_config(config)  # a multimodal model's: its text decoder's
     layers, hidden = config.num_hidden_layers, config.hidden_size
@@ -157,4 +158,4 @@ def flops_per_token(
     trained = trainable - (0 if lora else embedding)
     attention = 4 * layers * hidden * seq_len
     forward = 2 * dense + attention
-    return forward * (2 if reference_pass else 1) + (2 * dense + 2 * attention) + 2 * trained
+    return forward * forward_passes + (2 * dense + 2 * attention) + 2 * trained

@@ -129,7 +129,7 @@ def _method(recipe: dict[str, Any]) -> str:
     """How the weights were trained, as the card's first sentence says it."""
     name = _run_method(recipe)
     method = METHODS[name]
-    if not method.pairs:
+    if not method.preference:
         return f"supervised fine-tuning (TRL {method.trainer}, PyTorch/XLA FSDP)"
     return f"preference tuning: {_method_settings(recipe)} (TRL {method.trainer}'s loss, PyTorch/XLA FSDP)"
 
@@ -206,7 +206,7 @@ def _recipe_section(recipe: dict[str, Any], metrics: dict[str, Any]) -> str:
         ("sharding", f"{s.get('strategy')} over {devices}, activation checkpointing {checkpointing}"),
     ]
     command = _run_method(recipe)
-    if METHODS[command].pairs:
+    if METHODS[command].preference:
         rows.insert(2, ("method", _method_settings(recipe)))
     if METHODS[command].reference:
         if m.get("adapter"):

@@ -10,13 +10,14 @@ from lowmem_tpu.train.preference import XlaPreferenceTrainer
 from lowmem_tpu.train.trainer import XlaSFTTrainer, trainer_kwargs
 
 # method -> (its TRL config from the recipe and the micro-batch, the trainer that runs it). ORPO, CPO and SimPO
-# run on the preference trainer (TRL's DPOTrainer with their losses: ``train.pair_loss``).
+# and KTO run on the preference trainer (TRL's DPOTrainer with their losses: ``train.pair_loss``).
 TRAINERS: dict[str, tuple[Callable[[Any, int], Any], type]] = {
     "sft": (training_args, XlaSFTTrainer),
     "dpo": (preference_args, XlaPreferenceTrainer),
     "orpo": (preference_args, XlaPreferenceTrainer),
     "cpo": (preference_args, XlaPreferenceTrainer),
     "simpo": (preference_args, XlaPreferenceTrainer),
+    "kto": (preference_args, XlaPreferenceTrainer),
 }
 
 

@@ -90,7 +90,7 @@ class MetricsCallback(TrainerCallback):
 
 RUNNING = ("tokens", "label_tokens", "correct")  # the running sums of each mode, from which the figures come
 MEAN = "mean:"  # a method's figure: the sum over micro-batches of its per-micro-batch value (``add_means``)
-MICRO_BATCHES = "micro_batches"
+COUNT = "count:"  # and the micro-batches that had it
 
 
 class DeviceMetrics:
@@ -119,10 +119,13 @@ class DeviceMetrics:
             value = value.detach().float()
             self.totals[name] = self.totals[name] + value if name in self.totals else value
 
-    def add_means(self, mode: str, figures: dict[str, torch.Tensor]) -> None:
-        """One micro-batch's figures, averaged over the micro-batches between two logs."""
-        self.add(mode, **{f"{MEAN}{key}": value for key, value in figures.items()})
-        self.add(mode, **{MICRO_BATCHES: torch.ones((), device=next(iter(figures.values())).device)})
+    def add_means(self, mode: str, figures: dict[str, Any]) -> None:
+        """One micro-batch's figures, each averaged over the micro-batches between two logs that had it: a
+        figure is a device scalar, or (value, present) where a micro-batch may not have it (KTO's rewards of
+        a side with no rows)."""
+        for key, figure in figures.items():
+            value, present = figure if isinstance(figure, tuple) else (figure, torch.ones_like(figure))
+            self.add(mode, **{f"{MEAN}{key}": value * present, f"{COUNT}{key}": present})
 
     def zeros(self, mode: str) -> list[torch.Tensor]:
         """Every running sum, ``mode``'s not started yet started at 0 (step 1 as step 2 has them: ``train.steady``)."""
@@ -130,8 +133,8 @@ class DeviceMetrics:
 
         method = METHODS[self.recipe.method]
         # a preference method's token accuracy is TRL's own (mean_token_accuracy), not counted here
-        running = RUNNING[:2] if method.pairs else RUNNING
-        means = (*(f"{MEAN}{key}" for key in method.metrics), MICRO_BATCHES) if method.metrics else ()
+        running = RUNNING[:2] if method.preference else RUNNING
+        means = [f"{kind}{key}" for key in method.metrics for kind in (MEAN, COUNT)]
         for key in (*running, *means):
             self.totals.setdefault(f"{mode}/{key}", torch.zeros((), device=self.runtime.device))
         return list(self.totals.values())
@@ -199,12 +202,14 @@ class DeviceMetrics:
 
 
 def _means(totals: dict[str, float], previous: dict[str, float]) -> dict[str, float]:
-    """A method's figures over the micro-batches since ``previous``: the mean of each micro-batch's value."""
-    count = totals.get(MICRO_BATCHES, 0.0) - previous.get(MICRO_BATCHES, 0.0)
-    if count <= 0:
-        return {}
-    return {
-        key.removeprefix(MEAN): (value - previous.get(key, 0.0)) / count
-        for key, value in totals.items()
-        if key.startswith(MEAN)
-    }
+    """A method's figures over the micro-batches since ``previous``: the mean of each micro-batch's value, over
+    those that had it (none: not logged, as TRL logs nothing for it)."""
+    out = {}
+    for key, value in totals.items():
+        if not key.startswith(MEAN):
+            continue
+        name = key.removeprefix(MEAN)
+        count = totals[f"{COUNT}{name}"] - previous.get(f"{COUNT}{name}", 0.0)
+        if count > 0:
+            out[name] = (value - previous.get(key, 0.0)) / count
+    return out

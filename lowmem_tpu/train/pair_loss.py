@@ -1,10 +1,10 @@
-"""The preference losses of TRL 1.16 (DPOTrainer, ORPOTrainer, CPOTrainer), written for the devices.
+"""The preference losses of TRL 1.16 (DPOTrainer, ORPOTrainer, CPOTrainer, KTOTrainer), written for the devices.
 
-Each takes a micro-batch of pairs at its static shape (every chosen row, then every rejected row) as the
-policy's fused LM head returned it, and gives the loss and TRL's logged figures as device scalars: no
-``.item()``, no boolean indexing, so the policy's forward pass, the reference's and the backward pass are one
-program per micro-batch. TRL's own trainers are the tests' oracle (tests/e2e/test_dpo.py,
-tests/e2e/test_preference_methods.py); each function names the TRL method it follows.
+Each takes a micro-batch at its static shape (pairs: every chosen row, then every rejected row; KTO: labelled
+rows) as the policy's fused LM head returned it, and gives the loss and TRL's logged figures as device scalars:
+no ``.item()``, no boolean indexing, so the policy's forward pass, the reference's and the backward pass are one
+program per micro-batch. TRL's own trainers are the tests' oracle (tests/e2e/test_dpo.py); each function names
+the TRL method it follows.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-Figures = dict[str, torch.Tensor]
+Figures = dict[str, Any]  # a device scalar, or (value, present) for a figure a micro-batch may not have
 
 
 @dataclass(frozen=True)
@@ -242,3 +242,56 @@ def cpo(pairs: Pairs, kind: str, p: Any) -> tuple[torch.Tensor, Figures]:
         chosen.detach(), rejected.detach()
     )
     return loss, figures | _all_logits(pairs, last=True) | {"nll_loss": nll.detach()}
+
+
+def kto(
+    policy: Any,
+    completion_mask: torch.Tensor,
+    label: torch.Tensor,
+    logps: tuple[torch.Tensor, ...],
+    p: Any,
+) -> tuple[torch.Tensor, Figures]:
+    """``KTOTrainer._compute_loss`` over a micro-batch of labelled rows: ``policy`` the fused head's outputs on
+    the rows, ``logps`` = (the rows' reference log-probabilities, the KL rows' policy and reference ones), the
+    KL terms ``None`` for apo_zero_unpaired. The split by label is a mask: the loss is a mean over every row.
+    Figures TRL logs only when the micro-batch has such rows are ``(value, present)``."""
+    reference, kl_policy, kl_reference = logps
+    completion = completion_mask[:, 1:].to(policy.log_probs.dtype)
+    sums = (policy.log_probs * completion).sum(dim=1)
+    chosen = label.to(sums.dtype)
+    rejected = 1 - chosen
+    # TRL's KL estimate: the mismatched rows' mean log-ratio, never below 0 (apo_zero_unpaired has none)
+    kl = sums.new_zeros(()) if kl_policy is None else (kl_policy - kl_reference).mean().detach().clamp(min=0)
+    ratio = sums - reference.to(sums.dtype)
+    if p.kto_loss == "kto":
+        chosen_losses = 1 - torch.sigmoid(p.beta * (ratio - kl))
+        rejected_losses = 1 - torch.sigmoid(p.beta * (kl - ratio))
+    else:  # apo_zero_unpaired
+        chosen_losses, rejected_losses = 1 - torch.sigmoid(p.beta * ratio), torch.sigmoid(p.beta * ratio)
+    losses = chosen * p.desirable_weight * chosen_losses + rejected * p.undesirable_weight * rejected_losses
+    return losses.mean(), _kto_figures(policy, completion, (chosen, rejected), (p.beta * ratio.detach(), sums), kl)
+
+
+def _kto_figures(
+    policy: Any, completion: torch.Tensor, sides: tuple[torch.Tensor, torch.Tensor], values: tuple, kl: torch.Tensor
+) -> Figures:
+    rewards, sums = values
+    figures: Figures = {"kl": kl, "entropy": _mean((policy.entropy.detach() * completion).sum(), completion.sum())}
+    means = {}
+    for name, side in zip(("chosen", "rejected"), sides, strict=True):
+        tokens = completion * side.unsqueeze(1)
+        figures[f"logits/{name}"] = _present(
+            _mean((policy.mean_logits.detach() * tokens).sum(), tokens.sum()), tokens.sum()
+        )
+        count = side.sum()
+        means[name] = _mean((rewards * side).sum(), count)
+        figures[f"rewards/{name}"] = _present(means[name], count)
+        figures[f"logps/{name}"] = _present(_mean((sums.detach() * side).sum(), count), count)
+    both = torch.minimum(sides[0].sum(), sides[1].sum())
+    figures["rewards/margins"] = _present(means["chosen"] - means["rejected"], both)
+    return figures
+
+
+def _present(value: torch.Tensor, count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A figure TRL logs only when ``count`` > 0: the value and whether it is there."""
+    return value, (count > 0).to(value.dtype)

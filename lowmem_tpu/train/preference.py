@@ -30,6 +30,7 @@ from trl import DPOTrainer
 from lowmem_tpu.config.methods import METHODS
 from lowmem_tpu.console import say
 from lowmem_tpu.data.pairs import collate_pairs
+from lowmem_tpu.data.unpaired import KL_COLUMNS, collate_unpaired
 from lowmem_tpu.errors import UserError
 from lowmem_tpu.train import pair_loss
 from lowmem_tpu.train.trainer import XlaTrainerMixin
@@ -39,8 +40,9 @@ class XlaPreferenceTrainer(XlaTrainerMixin, DPOTrainer):
     """DPOTrainer with the XLA glue: static preference batches, the method's loss and figures on the devices."""
 
     def __init__(self, *, fresh_adapters: bool = True, **kwargs: Any):
+        unpaired = METHODS[kwargs["recipe"].method].rows == "unpaired"
         with _weights_unhashed():  # trap ``dpo-reference-hash``
-            super().__init__(data_collator=collate_pairs, **kwargs)
+            super().__init__(data_collator=collate_unpaired if unpaired else collate_pairs, **kwargs)
         self.method = METHODS[self.recipe.method]
         self.policy = self.model  # the PEFT model (transformers' FSDP path makes self.model the wrapper)
         self.weights_moved = False  # a checkpoint loaded or a step taken: no longer the starting model
@@ -112,7 +114,7 @@ class XlaPreferenceTrainer(XlaTrainerMixin, DPOTrainer):
         return dataset  # rows made by lowmem_tpu.data.pairs
 
     def _set_signature_columns_if_needed(self) -> None:
-        self._signature_columns = ["input_ids", "attention_mask", "completion_mask"]
+        self._signature_columns = ["input_ids", "attention_mask", "completion_mask", "label"]
 
     def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any], return_outputs: bool = False, **kwargs):
         mode = "train" if model.training else "eval"
@@ -125,7 +127,10 @@ class XlaPreferenceTrainer(XlaTrainerMixin, DPOTrainer):
         outputs = model(input_ids=ids, attention_mask=attention, **scored, use_cache=False, fused_lm_head=True)
         pairs = pair_loss.Pairs.of(outputs, completion)
         p, name = self.recipe.preference, self.method.name
-        if name == "dpo":
+        if name == "kto":
+            logps = self._kto_logps(model, inputs, labels)
+            loss, figures = pair_loss.kto(outputs, completion, inputs["label"], logps, p)
+        elif name == "dpo":
             loss, figures = pair_loss.dpo(pairs, self._reference(model, inputs, labels), p)
         elif name == "orpo":
             loss, figures = pair_loss.orpo(pairs, attention, p)
@@ -135,16 +140,30 @@ class XlaPreferenceTrainer(XlaTrainerMixin, DPOTrainer):
         self.device_metrics.add_means(mode, figures)
         return (loss, outputs) if return_outputs else loss
 
+    def _kto_logps(self, model: torch.nn.Module, inputs: dict[str, Any], labels: torch.Tensor) -> tuple:
+        """KTO's other passes, without gradients: the reference on the rows, the policy and the reference on the
+        KL rows (none for apo_zero_unpaired), TRL's order and forms (``KTOTrainer._compute_kl_logps``)."""
+        kl_inputs = {name.removeprefix("KL_"): inputs[name] for name in KL_COLUMNS}
+        kl_labels = kl_inputs["input_ids"].masked_fill(kl_inputs["completion_mask"] == 0, -100)
+        with_kl = self.recipe.preference.kto_loss == "kto"
+        with torch.no_grad():
+            kl_policy = self._sequence_logps(model, kl_inputs, kl_labels) if with_kl else None
+        kl_reference = self._reference(model, kl_inputs, kl_labels) if with_kl else None
+        return self._reference(model, inputs, labels), kl_policy, kl_reference
+
+    def _sequence_logps(self, model: torch.nn.Module, inputs: dict[str, Any], labels: torch.Tensor) -> torch.Tensor:
+        out = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], labels=labels,
+                    use_cache=False, fused_lm_head=True)  # fmt: skip
+        completion = inputs["completion_mask"][:, 1:].to(out.log_probs.dtype)
+        return pair_loss.sequence_logps(out.log_probs, completion, self.recipe.preference.ld_alpha)
+
     def _reference(self, model: torch.nn.Module, inputs: dict[str, Any], labels: torch.Tensor) -> torch.Tensor:
         """The reference's sequence log-probabilities, ``[2B]``: read from the rows when precomputed, else its
         forward pass in the step's own program."""
         if "ref_chosen_logps" in inputs:
             return torch.cat([inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]])
         with torch.no_grad(), as_reference(self.policy):
-            out = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], labels=labels,
-                        use_cache=False, fused_lm_head=True)  # fmt: skip
-        completion = inputs["completion_mask"][:, 1:].to(out.log_probs.dtype)
-        return pair_loss.sequence_logps(out.log_probs, completion, self.recipe.preference.ld_alpha)
+            return self._sequence_logps(model, inputs, labels)
 
 
 @contextlib.contextmanager

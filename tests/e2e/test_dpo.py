@@ -39,7 +39,7 @@ def _trl_on_the_cpu(
 
 def _xla_step(
     base: Path, adapter: Path, pairs: int, beta: float, losses: str, out: Path, start: Path | None = None,
-    options: dict | None = None, method: str = "dpo",
+    options: dict | None = None, method: str = "dpo", picks: list[int] | None = None,
 ) -> dict:  # fmt: skip
     """One XlaPreferenceTrainer loss on the devices, the policy ``adapter`` on ``base``; the reference the base, or
     with ``start`` the frozen copy of that adapter TRL makes (the policy then moved to ``adapter``'s weights).
@@ -68,7 +68,8 @@ def _xla_step(
     runtime = setup_runtime(recipe.runtime)
     tokenizer = m.load_tokenizer(recipe.model)
     data.set_chat_template(tokenizer, recipe.data)
-    rows, _ = data.build_dataset(recipe.data, tokenizer, max_samples=pairs)
+    kto = method == "kto"
+    rows, _ = data.build_dataset(recipe.data, tokenizer, max_samples=pairs, unpaired=kto)
     policy = m.apply_lora(m.build_base_model(recipe.model), recipe)
     place_parameters(policy, runtime, recipe.sharding.strategy)
     trainer = XlaPreferenceTrainer(
@@ -86,11 +87,14 @@ def _xla_step(
     elif start:  # the policy moved away from the adapter it started from (and TRL's frozen copy of it)
         for key, value in load_file(str(adapter / "adapter_model.safetensors")).items():
             trainer.names.params[trainer.names.adapter_keys[key]].data.copy_(value.to(runtime.device))
-    batch = collate_pairs([rows[i] for i in range(pairs)])
+    from lowmem_tpu.data.unpaired import collate_unpaired
+
+    picked = [rows[i] for i in picks or range(pairs)]  # KTO: ``pairs`` records are twice as many rows
+    batch = collate_unpaired(picked) if kto else collate_pairs(picked)
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)
-    save_file({key: batch[key] for key in ("input_ids", "attention_mask", "completion_mask")}, out / "rows.safetensors")
+    save_file({key: value for key, value in batch.items()}, out / "rows.safetensors")
     batch = {key: value.to(runtime.device) for key, value in batch.items()}
     wrapped = trainer.fsdp_model
     wrapped.train()
@@ -171,6 +175,41 @@ def test_the_reference_free_methods_compute_trls_loss_metrics_and_gradients(tmp_
         # AlphaPO's rewards (exp(-alpha x log p) of summed log-probs) put fp32's rounding at ~2e-5 of gradients ~1.5
         atol = 3e-5 if options.get("alphapo_alpha") else 1e-5
         assert torch.allclose(ours["grads"][name], grad, atol=atol, rtol=1e-3), name
+
+
+@pytest.mark.parametrize(
+    ("picks", "options"),
+    [
+        ([0, 1, 2, 8, 9, 10, 11, 12], {"desirable_weight": 1.5}),  # 3 desirable, 5 undesirable rows
+        (list(range(8)), {}),  # every row desirable
+        (list(range(8, 16)), {"undesirable_weight": 0.7}),  # every row undesirable
+        ([0, 1, 2, 3, 8, 9, 10, 11], {"kto_loss": "apo_zero_unpaired"}),  # no KL term
+    ],
+    ids=["mixed", "all-desirable", "all-undesirable", "apo-zero-unpaired"],
+)
+def test_kto_computes_trls_loss_metrics_and_gradients(tmp_path, picks, options):
+    """KTO on the devices (policy and reference on the rows and the KL rows, one program) against TRL's
+    KTOTrainer on plain CPU PyTorch, fed the same rows: loss, every figure TRL logs (those it logs for the batch),
+    every adapter's gradient. 8 pairs read as KTO: rows 0-7 desirable (the chosen), 8-15 undesirable."""
+    base = make_base(tmp_path / "base")
+    adapter = make_adapter(base, tmp_path / "adapter", r=4)
+    ours = _xla_step(base, adapter, 8, 0.5, "sigmoid", tmp_path / "run", options=options, method="kto", picks=picks)
+    trl_options = {"beta": 0.5, **{("loss_type" if k == "kto_loss" else k): v for k, v in options.items()}}
+    env = {**os.environ, "USE_TORCH_XLA": "0", "PJRT_DEVICE": "", "HF_HUB_OFFLINE": "1"}
+    command = [sys.executable, str(HELPERS / "kto_reference.py"), str(base), str(adapter)]
+    command += [str(tmp_path / "run" / "rows.safetensors"), json.dumps(trl_options), str(tmp_path / "trl.json")]
+    subprocess.run(command, env=env, check=True, timeout=300)
+    trl = json.loads((tmp_path / "trl.json").read_text())
+    logged = {key for key in ours if key in METHODS["kto"].metrics or key == "loss"}
+    assert logged == set(trl)  # what a batch without desirable (or undesirable) rows leaves out, left out alike
+    for key in trl:
+        assert ours[key] == pytest.approx(trl[key], abs=1e-4, rel=1e-4), key
+    from safetensors.torch import load_file
+
+    expected = load_file(str(tmp_path / "trl.json.grads.safetensors"))
+    assert sorted(ours["grads"]) == sorted(expected) and expected
+    for name, grad in expected.items():
+        assert torch.allclose(ours["grads"][name], grad, atol=1e-5, rtol=1e-3), name
 
 
 @pytest.mark.slow
@@ -263,7 +302,7 @@ def test_a_dpo_run_starts_at_ln_2_and_compiles_nothing_after_warm_up(tmp_path):
     from lowmem_tpu.publish.card import model_card
 
     card = model_card(out / "final", "me/tiny-dpo", "adapter")
-    assert "- dpo" in card and "preference tuning: DPO (TRL DPOTrainer, beta 0.1, loss sigmoid, " in card
+    assert "- dpo" in card and "preference tuning: DPO, beta 0.1, loss sigmoid (TRL DPOTrainer's loss, " in card
     assert "| preference accuracy | 0.0000 |" in card and "lowmem-tpu dpo recipe.yaml" in card
     # eval scores the saved adapter as the run scored its held-out pairs after training
     held_out = str(PAIRS.with_name("prefer_eval.jsonl"))
@@ -276,6 +315,38 @@ def test_a_dpo_run_starts_at_ln_2_and_compiles_nothing_after_warm_up(tmp_path):
     assert result["exact_match"] == after["exact_match"]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["orpo", "kto"])
+def test_orpo_and_kto_runs_log_trls_figures_and_compile_nothing_after_warm_up(tmp_path, method):
+    """``lowmem-tpu orpo`` and ``kto`` on the tiny demo: TRL's figures in metrics.jsonl, nothing compiled after
+    warm-up; KTO's KL estimate 0 at the first step (fresh adapters: the policy is its reference); eval of the
+    saved adapter gives the run's own after-training loss."""
+    out = tmp_path / "run"
+    overrides = [f"output_dir={out}", "train.max_steps=6", "train.logging_steps=1", "train.eval_steps=3"]
+    overrides += ["train.eval_samples=8", "train.global_batch_size=16", "data.max_samples=256"]  # all 200 held out
+    done = subprocess.run(
+        [sys.executable, "-m", "lowmem_tpu.cli", method, f"recipes/tiny_{method}_cpu.yaml", *overrides],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    metrics = json.loads((out / "final" / "metrics.json").read_text())
+    assert metrics["compiles"]["after_warmup"] == 0, metrics["compiles"]
+    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    trained = [line for line in logged if "loss" in line and "eval_loss" not in line]
+    assert set(METHODS[method].metrics) <= set(trained[0]), trained[0]
+    if method == "kto":
+        assert trained[0]["kl"] == 0 and any(line["kl"] > 0 for line in trained[1:])
+    from lowmem_tpu.publish.card import model_card
+
+    card = model_card(out / "final", f"me/tiny-{method}", "adapter")
+    assert f"- {method}" in card and f"preference tuning: {method.upper()}, beta" in card
+    held_out = str(PAIRS.with_name("prefer_eval.jsonl"))
+    evaluate = [sys.executable, "-m", "lowmem_tpu.cli", "eval", str(out / "final"), "--data", held_out]
+    scored = subprocess.run([*evaluate, "--samples", "8", "--json"], capture_output=True, text=True, timeout=600)
+    assert scored.returncode == 0, scored.stderr[-2000:]
+    assert json.loads(scored.stdout)["loss"] == pytest.approx(metrics["eval"]["after"]["loss"], abs=1e-4)
+
+
 def test_memory_measures_the_dpo_step_and_compare_sets_lora_beside_full_parameter_dpo(tmp_path):
     def cli(command: str, *args: str) -> subprocess.CompletedProcess[str]:
         line = [sys.executable, "-m", "lowmem_tpu.cli", command, "recipes/tiny_dpo_cpu.yaml", *args]
@@ -283,7 +354,7 @@ def test_memory_measures_the_dpo_step_and_compare_sets_lora_beside_full_paramete
 
     measured = cli("memory", "--compile", "--target", "cpu")
     assert measured.returncode == 0, measured.stderr[-2000:]
-    assert "the DPO step as one program compiled in" in measured.stdout
+    assert "the real step compiled in" in measured.stdout
     compared = cli("compare", f"output_dir={tmp_path}")
     assert compared.returncode == 0, compared.stderr[-2000:]
     result = json.loads((tmp_path / "compare" / "compare.json").read_text())

@@ -175,6 +175,8 @@ def test_sft_data_given_to_dpo_and_pairs_given_to_sft_exit_2(tmp_path):
     pairs += ["data.eval_path=builtin:reverse/prefer_eval.jsonl"]
     given_to_sft = command_cli("sft", "recipes/tiny_lora_cpu.yaml", *pairs)
     assert given_to_sft.returncode == 2 and "lowmem-tpu dpo" in given_to_sft.stderr
+    not_read = command_cli("orpo", "recipes/tiny_dpo_cpu.yaml", out)  # its loss_type is DPO's: named, with the fix
+    assert not_read.returncode == 2 and "preference.loss_type=[sigmoid]" in not_read.stderr
     copy = ["lora.enabled=false", "preference.precompute_ref_log_probs=false"]  # a frozen copy: not made
     full = command_cli("dpo", "recipes/tiny_lora_cpu.yaml", *pairs, *copy)
     assert full.returncode == 2 and "a frozen copy of the whole model" in full.stderr
@@ -199,3 +201,38 @@ def test_a_dpo_recipe_that_would_train_against_a_wrong_reference_or_crash_in_trl
 
     with pytest.raises(RecipeError, match=expected):
         load_recipe("recipes/tiny_dpo_cpu.yaml", overrides)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["method=cpo", "preference.loss_type=exo_pair"], "method cpo takes one of sigmoid, hinge, ipo"),
+        (["method=simpo", "preference.loss_type=[sigmoid]", "preference.beta=2"], None),
+        (["method=dpo", "preference.simpo_gamma=1.0"], "preference.simpo_gamma: not read by method dpo"),
+        (
+            ["method=orpo", "preference.loss_type=[sigmoid]", "preference.label_smoothing=0.1"],
+            "not read by method orpo",
+        ),
+        (["method=orpo", "preference.loss_type=[sigmoid]", "train.chunked_loss=true"], "TRL's LM head"),
+    ],
+    ids=["cpo-loss", "simpo", "dpo-simpo-field", "orpo-smoothing", "orpo-chunked"],
+)
+def test_each_method_reads_its_own_fields(overrides, expected):
+    from lowmem_tpu.config import RecipeError, load_recipe
+
+    if expected is None:
+        assert load_recipe("recipes/tiny_dpo_cpu.yaml", overrides).method == "simpo"
+        return
+    with pytest.raises(RecipeError, match=expected):
+        load_recipe("recipes/tiny_dpo_cpu.yaml", overrides)
+
+
+def test_the_method_is_read_from_the_data_when_a_recipe_names_none_and_every_method_has_a_command():
+    from lowmem_tpu.cli.train import METHOD_COMMANDS
+    from lowmem_tpu.config import Recipe, load_recipe
+    from lowmem_tpu.config.methods import METHODS
+
+    tiny = {"model": {"random_init": True}}
+    assert Recipe(**tiny).method == "sft" and Recipe(**tiny, data={"format": "preference"}).method == "dpo"
+    assert load_recipe("recipes/tiny_lora_cpu.yaml", ["method=sft"]).method == "sft"
+    assert list(METHOD_COMMANDS) == ["train", *METHODS]

@@ -144,8 +144,10 @@ TERMS = {
         "`[tokens, vocab]` buffers of full fine-tuning's trained head under FSDP",
         "the grid's `mini` full, v5e-8",
     ),
-    "PREFERENCE_LOGITS": ("a DPO step's `[tokens, vocab]` buffers, in the SFT step's one", "the DPO recipes"),
-    "PRECOMPUTED_PREFERENCE_LOGITS": ("the same with the reference's log-probabilities precomputed", "the DPO recipes"),
+    "PREFERENCE_PASS_LOGITS": (
+        "a preference step's `[tokens, vocab]` buffers per forward pass, in the SFT step's one",
+        "the DPO recipes",
+    ),
     "GRADIENT_COPY_BYTES": (
         "full fine-tuning: bytes per trained element held until the optimizer runs",
         "Open Llama 3B on v5e-8, 7B on v5e-16",
