@@ -165,11 +165,20 @@ def eval_command(
     limit: LimitOpt = None,
     num_fewshot: FewshotOpt = None,
     chat_template: ChatTemplateOpt = None,
+    method: Annotated[
+        str | None,
+        typer.Option(
+            "--method",
+            help="Score --data as this method's loss and figures (default: the run's own; e.g. orpo on pairs: the "
+            "share whose chosen answer is the likelier, no reference).",
+            show_default=False,
+        ),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of the summary.")] = False,
 ) -> None:
-    """Held-out loss, perplexity, token accuracy and greedy exact match: the numbers sft prints, for any data
-    (a DPO run: TRL's loss, preference accuracy and reward margin, and exact match of the chosen answers).
-    With --tasks: lm-evaluation-harness's tasks and scores, on the CPU."""
+    """Held-out loss, perplexity, token accuracy and greedy exact match: the numbers a run prints, for any data
+    (a preference run: its method's loss, preference accuracy and reward margin, and exact match of the chosen
+    answers). With --tasks: lm-evaluation-harness's tasks and scores, on the CPU."""
     import contextlib
 
     from lowmem_tpu.infer.score import evaluate_directory, format_scores
@@ -196,7 +205,7 @@ def eval_command(
         typer.echo(json.dumps(record) if as_json else format_results(directory, record))
         return
     with quiet:
-        result = evaluate_directory(directory, data, fmt=fmt, split=split, samples=samples)
+        result = evaluate_directory(directory, data, fmt=fmt, split=split, samples=samples, method=method)
     if as_json:
         typer.echo(json.dumps(result))
     else:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import lowmem_tpu.data.cache as cache
-from lowmem_tpu.config import DataSection
+from lowmem_tpu.config import DataSection, with_fields
 from lowmem_tpu.data.formats import (
     IGNORE_INDEX,
     Sample,
@@ -127,7 +127,7 @@ def exact_match_prompts(
         require_columns(records, cfg, source)
         label = cfg.columns.get("label", "label")
         records = records.filter(lambda record: record[label] is True)
-        cfg = cfg.model_copy(update={"format": "prompt_completion"})
+        cfg = with_fields(cfg, format="prompt_completion")
     return prompt_answer_pairs(records, cfg, tokenizer, source, n)
 
 

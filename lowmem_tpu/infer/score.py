@@ -19,7 +19,9 @@ from lowmem_tpu.errors import UserError
 DEFAULT_SAMPLES = 100
 
 
-def _recipe(saved: dict[str, Any], directory: Path, data: str, fmt: str | None, split: str | None, out: str) -> Any:
+def _recipe(
+    saved: dict[str, Any], directory: Path, data: str, fmt: str | None, split: str | None, out: str, method: str | None
+) -> Any:
     """The run's recipe, pointed at ``data`` as its held-out set (nothing is trained), as this machine runs it
     (a TPU-only setting on the CPU backend: its equivalent, ``preflight.as_run_here``)."""
     from lowmem_tpu.config import with_overrides
@@ -32,7 +34,9 @@ def _recipe(saved: dict[str, Any], directory: Path, data: str, fmt: str | None, 
     overrides += ["runtime.device=auto"]  # where eval runs: the TPU here, else the CPU backend
     overrides += [f"data.format={fmt}"] if fmt else []
     overrides += [f"data.split={split}"] if split else []
-    overrides += [f"method={scored_method(saved, fmt)}"]
+    overrides += [f"method={method or scored_method(saved, fmt)}"]
+    if method and method != saved.get("method"):  # another method's loss: its own defaults, the run's beta
+        saved = {**saved, "preference": {"beta": (saved.get("preference") or {}).get("beta", 0.1)}}
     return as_run_here(with_overrides(saved, overrides))[0]
 
 
@@ -46,7 +50,13 @@ def scored_method(saved: dict[str, Any], fmt: str | None) -> str:
 
 
 def evaluate_directory(
-    directory: Path, data: str, *, fmt: str | None = None, split: str | None = None, samples: int | None = None
+    directory: Path,
+    data: str,
+    *,
+    fmt: str | None = None,
+    split: str | None = None,
+    samples: int | None = None,
+    method: str | None = None,
 ) -> dict[str, Any]:
     """Loss, perplexity, token accuracy and greedy exact match of the model in ``directory`` on ``data``."""
     from lowmem_tpu import data as d
@@ -59,10 +69,10 @@ def evaluate_directory(
 
     kind = kind_of(Path(directory))
     saved = read_recipe_data(Path(directory))
-    _check_preference(saved, kind, directory, fmt)
+    _check_preference(saved, kind, directory, fmt, method)
     n = samples if samples is not None else (saved.get("train", {}).get("eval_samples") or DEFAULT_SAMPLES)
     with tempfile.TemporaryDirectory(prefix="lowmem-eval-") as out:
-        recipe = _recipe(saved, Path(directory), data, fmt, split, out)
+        recipe = _recipe(saved, Path(directory), data, fmt, split, out, method)
         records, source = d.select_records(recipe.data, "eval", path=data)
         require_columns(records, recipe.data, source)  # data in the wrong format fails before any weights load
         from lowmem_tpu.config import RuntimeSection, micro_batch_size
@@ -78,12 +88,14 @@ def evaluate_directory(
         return _score(recipe, runtime, trained, rows, prompts, micro) | {"data": data, "rows": stats["rows"]}
 
 
-def _check_preference(saved: dict[str, Any], kind: str, directory: Path, fmt: str | None) -> None:
+def _check_preference(saved: dict[str, Any], kind: str, directory: Path, fmt: str | None, method: str | None) -> None:
     """A DPO run is scored against its reference: the base under its adapters, or the adapter it started from
     (``model.adapter``). Refused, before any weight loads, where that reference is not there to be had."""
     from lowmem_tpu.config.methods import METHODS
 
-    if not METHODS[scored_method(saved, fmt)].reference:
+    if method not in (None, *METHODS):
+        raise UserError(f"eval --method: {method!r} is not a method; the methods: {', '.join(METHODS)}")
+    if not METHODS[method or scored_method(saved, fmt)].reference:
         return
     started_from = saved.get("model", {}).get("adapter")
     if kind != "adapter" and saved.get("lora", {}).get("enabled") is False:
