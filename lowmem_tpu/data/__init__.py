@@ -1,7 +1,7 @@
 """Training data: read records (``sources``, their columns by ``fields``), pick the training or held-out ones
 (``splits``), format them (``formats``; ``chat`` and ``templates`` for conversations; ``pairs`` for
-preference data, ``unpaired`` for KTO's labelled rows), cut them to static shapes (``rows``), keep them (``cache``); ``fill`` (how full the rows
-are) and ``preview`` (``lowmem-tpu data``) read them back.
+preference data, ``unpaired`` for KTO's labelled rows), cut them to static shapes (``rows``), keep them
+(``cache``); ``fill`` (how full the rows are) and ``preview`` (``lowmem-tpu data``) read them back.
 
 Imports ``config`` and ``errors`` only, never ``xla`` or ``model``: a tokenizer comes in as an argument.
 ``datasets``, ``numpy`` and ``torch`` are imported inside the functions that use them.
