@@ -91,7 +91,7 @@ def main() -> int:
         return 2
     recipe = load_recipe(str(args.recipe), [*args.overrides, "runtime.target=null"])
     device = default_device(recipe)  # the TPU here
-    command = "dpo" if recipe.data.format == "preference" else "sft"  # a DPO recipe's step: its three programs
+    command = "train"  # the recipe's method: one program per micro-batch
     out = OUT / args.recipe.stem
     run = [
         sys.executable, "-m", "lowmem_tpu.cli", command, str(args.recipe), *args.overrides,

@@ -1,4 +1,4 @@
-"""The recipe as data: ``schema`` and ``model_fields`` (the fields, described; ``section``: their base and
+"""The recipe as data: ``schema``, ``model_fields`` and ``preference_fields`` (the fields, described; ``section``: their base and
 ``RecipeError``), ``checks`` (rules across fields), ``validate`` (the one entry: every problem at once),
 ``methods`` (the training methods as data: what each reads, holds and logs), ``read`` (YAML, ``extends``,
 overrides), ``shipped`` (the shipped recipes by name), ``rules`` (a batch's split,

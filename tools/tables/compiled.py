@@ -9,6 +9,7 @@ from pathlib import Path
 
 from lowmem_tpu.config import load_recipe
 from lowmem_tpu.config.devices import DEVICES
+from lowmem_tpu.config.methods import METHODS
 from lowmem_tpu.config.shipped import describe_shipped
 from lowmem_tpu.console import size
 from lowmem_tpu.memory.advise import plan_recipe
@@ -25,8 +26,9 @@ def _what(recipe) -> str:
         method += f", {recipe.train.optimizer}"
     model = recipe.model.name_or_path.split("/")[-1]
     tokens = f"{recipe.train.global_batch_size} x {recipe.data.max_length} tokens per step"
-    if recipe.data.format == "preference":
-        method = f"DPO ({method})"
+    if METHODS[recipe.method].preference:
+        method = f"{recipe.method.upper()} ({method})"
+    if METHODS[recipe.method].pairs:
         tokens = f"{recipe.train.global_batch_size} pairs x 2 x {recipe.data.max_length} tokens per step"
     split = recipe.train.gradient_accumulation_steps
     return f"{method}, {model}, {tokens}" + (f" in {split} micro-batches" if split > 1 else "")

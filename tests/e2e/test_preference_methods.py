@@ -1,0 +1,120 @@
+"""ORPO, CPO, SimPO and KTO against TRL's own trainers: on the same tiny model, rows and LoRA weights, the loss,
+every figure TRL logs and every adapter's gradient of the XLA step (4 virtual devices, FSDP, static shapes)
+equal TRL's ORPOTrainer, CPOTrainer and KTOTrainer on plain CPU PyTorch; ORPO and KTO runs of the tiny demo
+log TRL's figures and compile nothing after warm-up."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from preference_steps import HELPERS, PAIRS, xla_step
+from tiny_models import make_adapter, make_base
+
+from lowmem_tpu.config.methods import METHODS
+
+
+@pytest.mark.parametrize(
+    ("method", "loss", "options"),
+    [
+        ("orpo", "sigmoid", {}),
+        ("cpo", "hinge", {"alphapo_alpha": 0.2}),  # AlphaPO's rewards
+        ("simpo", "sigmoid", {"simpo_gamma": 0.3, "label_smoothing": 0.1}),
+    ],
+    ids=["orpo", "cpo-hinge-alphapo", "simpo"],
+)
+def test_the_reference_free_methods_compute_trls_loss_metrics_and_gradients(tmp_path, method, loss, options):
+    """ORPO, CPO and SimPO on the devices (one policy pass, no reference) against TRL's ORPOTrainer and
+    CPOTrainer on plain CPU PyTorch, fed the same rows: loss, every figure TRL logs, every adapter's gradient."""
+    base = make_base(tmp_path / "base")
+    adapter = make_adapter(base, tmp_path / "adapter", r=4)
+    ours = xla_step(base, adapter, 8, 0.5, loss, tmp_path / "run", options=options, method=method)
+    trl_options = {"beta": 0.5, **{k.removeprefix("alphapo_"): v for k, v in options.items()}}
+    if method == "cpo":
+        trl_options["loss_type"] = loss
+    env = {**os.environ, "USE_TORCH_XLA": "0", "PJRT_DEVICE": "", "HF_HUB_OFFLINE": "1"}
+    command = [sys.executable, str(HELPERS / "pair_reference.py"), method, str(base), str(adapter)]
+    command += [str(tmp_path / "run" / "rows.safetensors"), json.dumps(trl_options), str(tmp_path / "trl.json")]
+    subprocess.run(command, env=env, check=True, timeout=300)
+    trl = json.loads((tmp_path / "trl.json").read_text())
+    assert sorted(trl) == sorted(("loss", *METHODS[method].metrics))  # the table lists what TRL logs
+    for key in trl:
+        assert ours[key] == pytest.approx(trl[key], abs=1e-4, rel=1e-4), key
+    from safetensors.torch import load_file
+
+    expected = load_file(str(tmp_path / "trl.json.grads.safetensors"))
+    assert sorted(ours["grads"]) == sorted(expected) and expected
+    for name, grad in expected.items():
+        # AlphaPO's rewards (exp(-alpha x log p) of summed log-probs) put fp32's rounding at ~2e-5 of gradients ~1.5
+        atol = 3e-5 if options.get("alphapo_alpha") else 1e-5
+        assert torch.allclose(ours["grads"][name], grad, atol=atol, rtol=1e-3), name
+
+
+@pytest.mark.parametrize(
+    ("picks", "options"),
+    [
+        ([0, 1, 2, 8, 9, 10, 11, 12], {"desirable_weight": 1.5}),  # 3 desirable, 5 undesirable rows
+        (list(range(8)), {}),  # every row desirable
+        (list(range(8, 16)), {"undesirable_weight": 0.7, "kto_loss": "apo_zero_unpaired"}),  # no KL term either
+    ],
+    ids=["mixed", "all-desirable", "all-undesirable-apo"],
+)
+def test_kto_computes_trls_loss_metrics_and_gradients(tmp_path, picks, options):
+    """KTO on the devices (policy and reference on the rows and the KL rows, one program) against TRL's
+    KTOTrainer on plain CPU PyTorch, fed the same rows: loss, every figure TRL logs (those it logs for the batch),
+    every adapter's gradient. 8 pairs read as KTO: rows 0-7 desirable (the chosen), 8-15 undesirable."""
+    base = make_base(tmp_path / "base")
+    adapter = make_adapter(base, tmp_path / "adapter", r=4)
+    ours = xla_step(base, adapter, 8, 0.5, "sigmoid", tmp_path / "run", options=options, method="kto", picks=picks)
+    trl_options = {"beta": 0.5, **{("loss_type" if k == "kto_loss" else k): v for k, v in options.items()}}
+    env = {**os.environ, "USE_TORCH_XLA": "0", "PJRT_DEVICE": "", "HF_HUB_OFFLINE": "1"}
+    command = [sys.executable, str(HELPERS / "kto_reference.py"), str(base), str(adapter)]
+    command += [str(tmp_path / "run" / "rows.safetensors"), json.dumps(trl_options), str(tmp_path / "trl.json")]
+    subprocess.run(command, env=env, check=True, timeout=300)
+    trl = json.loads((tmp_path / "trl.json").read_text())
+    logged = {key for key in ours if key in METHODS["kto"].metrics or key == "loss"}
+    assert logged == set(trl)  # what a batch without desirable (or undesirable) rows leaves out, left out alike
+    for key in trl:
+        assert ours[key] == pytest.approx(trl[key], abs=1e-4, rel=1e-4), key
+    from safetensors.torch import load_file
+
+    expected = load_file(str(tmp_path / "trl.json.grads.safetensors"))
+    assert sorted(ours["grads"]) == sorted(expected) and expected
+    for name, grad in expected.items():
+        assert torch.allclose(ours["grads"][name], grad, atol=1e-5, rtol=1e-3), name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["orpo", "kto"])
+def test_orpo_and_kto_runs_log_trls_figures_and_compile_nothing_after_warm_up(tmp_path, method):
+    """``lowmem-tpu orpo`` and ``kto`` on the tiny demo: TRL's figures in metrics.jsonl, nothing compiled after
+    warm-up; KTO's KL estimate 0 at the first step (fresh adapters: the policy is its reference); eval of the
+    saved adapter gives the run's own after-training loss."""
+    out = tmp_path / "run"
+    overrides = [f"output_dir={out}", "train.max_steps=6", "train.logging_steps=1", "train.eval_steps=3"]
+    overrides += ["train.eval_samples=8", "train.global_batch_size=16", "data.max_samples=256"]  # all 200 held out
+    done = subprocess.run(
+        [sys.executable, "-m", "lowmem_tpu.cli", method, f"recipes/tiny_{method}_cpu.yaml", *overrides],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    metrics = json.loads((out / "final" / "metrics.json").read_text())
+    assert metrics["compiles"]["after_warmup"] == 0, metrics["compiles"]
+    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    trained = [line for line in logged if "loss" in line and "eval_loss" not in line]
+    assert set(METHODS[method].metrics) <= set(trained[0]), trained[0]
+    if method == "kto":
+        assert trained[0]["kl"] == 0 and any(line["kl"] > 0 for line in trained[1:])
+    from lowmem_tpu.publish.card import model_card
+
+    card = model_card(out / "final", f"me/tiny-{method}", "adapter")
+    assert f"- {method}" in card and f"preference tuning: {method.upper()}, beta" in card
+    held_out = str(PAIRS.with_name("prefer_eval.jsonl"))
+    evaluate = [sys.executable, "-m", "lowmem_tpu.cli", "eval", str(out / "final"), "--data", held_out]
+    scored = subprocess.run([*evaluate, "--samples", "8", "--json"], capture_output=True, text=True, timeout=600)
+    assert scored.returncode == 0, scored.stderr[-2000:]
+    assert json.loads(scored.stdout)["loss"] == pytest.approx(metrics["eval"]["after"]["loss"], abs=1e-4)
