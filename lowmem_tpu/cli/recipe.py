@@ -12,6 +12,7 @@ import typer
 
 from lowmem_tpu.cli.common import OverridesArg, RecipeArg, app, load_args
 from lowmem_tpu.config import load_recipe
+from lowmem_tpu.config.methods import METHODS
 from lowmem_tpu.errors import UserError
 
 
@@ -74,12 +75,13 @@ def data(
     if not as_json:
         _print_rows(source, cfg.format, cfg.max_length, chosen, shown, color=sys.stdout.isatty())
         typer.echo(f"\ncounting every record (the rows go to {loaded.output_dir}/data_cache)...", err=True)
-    stats = counts(cfg, tokenizer, Path(loaded.output_dir) / "data_cache")
+    method = METHODS[loaded.method]
+    stats = counts(cfg, tokenizer, Path(loaded.output_dir) / "data_cache", unpaired=method.rows == "unpaired")
     if as_json:
         report = {"source": source, "format": cfg.format, "max_length": cfg.max_length, "chat_template": chosen}
         typer.echo(json.dumps(report | {"stats": stats, "rows": shown}, indent=2))
         return
-    _print_counts(stats, cfg.max_length, "pairs of rows" if cfg.format == "preference" else "rows")
+    _print_counts(stats, cfg.max_length, "pairs of rows" if method.pairs else "rows")
 
 
 def _print_rows(source: str, fmt: str, length: int, chosen: str | None, shown: list[dict], color: bool) -> None:

@@ -1,7 +1,7 @@
-"""The recipe as data: ``schema``, ``model_fields`` and ``preference_fields`` (the fields, described; ``section``: their base and
-``RecipeError``), ``checks`` (rules across fields), ``validate`` (the one entry: every problem at once),
-``methods`` (the training methods as data: what each reads, holds and logs), ``read`` (YAML, ``extends``,
-overrides), ``shipped`` (the shipped recipes by name), ``rules`` (a batch's split,
+"""The recipe as data: ``schema``, ``model_fields`` and ``preference_fields`` (the fields, described;
+``section``: their base and ``RecipeError``), ``checks`` (rules across fields), ``validate`` (the one entry:
+every problem at once), ``methods`` (the training methods as data: what each reads, holds and logs), ``read``
+(YAML, ``extends``, overrides), ``shipped`` (the shipped recipes by name), ``rules`` (a batch's split,
 durations), ``devices`` (the TPU VM catalog), ``features`` (what a model's config asks of attention and the
 loss) and ``assets`` (``builtin:`` files).
 

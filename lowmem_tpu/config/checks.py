@@ -331,8 +331,8 @@ def _reference_problems(recipe: Any) -> list[Problem]:
             "true (or leave it out): the reference's log-probabilities are computed once, before training"
         )
         problems.append((("preference.precompute_ref_log_probs", "lora.enabled"), message))
-    if "exo_pair" in p.loss_type and p.label_smoothing == 0:
-        message = "preference.label_smoothing: loss exo_pair needs it above 0 (the EXO paper uses 1e-3)"
+    if "exo_pair" in p.loss_type and p.smoothing == 0:
+        message = "preference.label_smoothing: loss exo_pair needs it above 0 (leave it out: the EXO paper's 1e-3)"
         problems.append((("preference.label_smoothing", "preference.loss_type"), message))
     if p.loss_weights is not None and len(p.loss_weights) != len(p.loss_type):
         message = (

@@ -14,6 +14,7 @@ DPO_LOSSES = (
     "sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot", "aot_unpaired",
     "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm",
 )  # fmt: skip
+EXO_EPSILON = 1e-3  # the EXO paper's (arXiv 2402.00856) label smoothing, where a recipe gives none
 F_DIVERGENCES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")
 
 
@@ -33,7 +34,13 @@ class PreferenceSection(Section):
         min_length=1,
         description="TRL's DPO loss(es): sigmoid (DPO), ipo, hinge, robust, apo_zero, sft (with sigmoid: RPO) ...",
     )
-    label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="Label smoothing (robust, exo_pair, aot losses).")
+    label_smoothing: float | None = Field(
+        None,
+        ge=0,
+        lt=0.5,
+        description="Label smoothing (DPO's robust, exo_pair, aot losses; CPO's and SimPO's sigmoid). null: 0, or "
+        "with exo_pair the EXO paper's 1e-3 (its epsilon must be above 0).",
+    )
     loss_weights: list[float] | None = Field(
         None, description="One weight per loss in loss_type, their weighted sum trained (TRL's; null: 1 each)."
     )
@@ -72,6 +79,13 @@ class PreferenceSection(Section):
         "precompute_ref_log_probs), so no step runs the reference: full-parameter DPO needs it (no frozen copy of "
         "the model is made). null: on exactly when lora.enabled is false.",
     )
+
+    @property
+    def smoothing(self) -> float:
+        """``label_smoothing`` as the losses read it."""
+        if self.label_smoothing is not None:
+            return self.label_smoothing
+        return EXO_EPSILON if "exo_pair" in self.loss_type else 0.0
 
     @field_validator("loss_type", mode="before")
     @classmethod

@@ -18,6 +18,7 @@ from lowmem_tpu.data.formats import IGNORE_INDEX, check_tokenizer, encode_record
 from lowmem_tpu.data.pairs import Pair, encode_pairs, truncated_pair
 from lowmem_tpu.data.rows import build_dataset
 from lowmem_tpu.data.splits import select_records
+from lowmem_tpu.data.unpaired import Row, encode_unpaired
 
 
 @dataclass
@@ -42,7 +43,10 @@ def first_records(cfg: DataSection, tokenizer: Any, rows: int) -> tuple[str, lis
     records, source = select_records(cfg, "train")
     require_columns(records, cfg, source)
     first = records.select(range(min(rows, len(records))))
-    if cfg.format == "preference":
+    if cfg.format == "unpaired":  # KTO's rows: one completion each, desirable or not
+        rows = encode_unpaired(first, cfg, tokenizer, source)
+        shown = [_show_unpaired(i, row, cfg, tokenizer) for i, row in enumerate(rows, 1)]
+    elif cfg.format == "preference":
         pairs = encode_pairs(first, cfg, tokenizer, source)
         shown = [row for i, pair in enumerate(pairs, 1) for row in _show_pair(i, pair, cfg, tokenizer)]
     else:
@@ -51,9 +55,9 @@ def first_records(cfg: DataSection, tokenizer: Any, rows: int) -> tuple[str, lis
     return source, [asdict(s) | {"text": s.text} for s in shown]
 
 
-def counts(cfg: DataSection, tokenizer: Any, cache_dir: Path | None) -> dict[str, Any]:
+def counts(cfg: DataSection, tokenizer: Any, cache_dir: Path | None, unpaired: bool = False) -> dict[str, Any]:
     """The stats of the whole training data's rows (``rows.build_dataset``), kept in ``cache_dir``."""
-    return build_dataset(cfg, tokenizer, cache_dir=cache_dir)[1]
+    return build_dataset(cfg, tokenizer, cache_dir=cache_dir, unpaired=unpaired)[1]
 
 
 def _show(index: int, ids: Any, labels: Any, cfg: DataSection, tokenizer: Any) -> Shown:
@@ -90,6 +94,13 @@ def _show_pair(index: int, pair: Pair, cfg: DataSection, tokenizer: Any) -> list
         ids, labels = prompt + completion, [IGNORE_INDEX] * len(prompt) + completion
         shown.append(Shown(index, len(ids), len(completion), fate, _spans(ids, labels, tokenizer), side))
     return shown
+
+
+def _show_unpaired(index: int, row: Row, cfg: DataSection, tokenizer: Any) -> Shown:
+    """An unpaired row (KTO) as training cuts it: its side says whether the completion is desirable."""
+    prompt, completion, label = row
+    (shown,) = _show_pair(index, (prompt, completion, completion), cfg, tokenizer)[:1]
+    return Shown(**(asdict(shown) | {"side": "desirable" if label else "undesirable"}))
 
 
 def _spans(ids: list[int], labels: list[int], tokenizer: Any) -> list[tuple[bool, str]]:

@@ -36,7 +36,7 @@ def preference_args(recipe: Recipe, micro_batch: int) -> DPOConfig:
         **_shared(recipe, micro_batch),
         beta=p.beta,
         loss_type=list(p.loss_type),
-        label_smoothing=p.label_smoothing,
+        label_smoothing=p.smoothing,
         loss_weights=p.loss_weights,
         f_divergence_type=p.f_divergence_type,
         f_alpha_divergence_coef=p.f_alpha_divergence_coef,

@@ -92,7 +92,7 @@ def _dpo_term(kind: str, pairs: Pairs, logps: tuple[torch.Tensor, ...], p: Any) 
         normalized = chosen_score / lengths[0] - rejected_score / lengths[1]
         return (normalized - 1 / (2 * beta)) ** 2 if kind == "ipo" else -F.logsigmoid(beta * normalized)
     if kind == "exo_pair":
-        eps = p.label_smoothing
+        eps = p.smoothing
         q_chosen, q_rejected = torch.sigmoid(beta * delta), torch.sigmoid(-beta * delta)
         return q_chosen * (F.logsigmoid(beta * delta) - math.log1p(-eps)) + q_rejected * (
             F.logsigmoid(-beta * delta) - math.log(eps)
@@ -101,7 +101,7 @@ def _dpo_term(kind: str, pairs: Pairs, logps: tuple[torch.Tensor, ...], p: Any) 
         c, r = beta * chosen_ratio, beta * rejected_ratio
         return -F.logsigmoid(c) - 0.5 * F.logsigmoid(-c) - 0.5 * F.logsigmoid(-r)
     if kind == "robust":
-        eps = p.label_smoothing
+        eps = p.smoothing
         return (-(1 - eps) * F.logsigmoid(beta * delta) + eps * F.logsigmoid(-beta * delta)) / (1 - 2 * eps)
     if kind == "bco_pair":
         return -F.logsigmoid(beta * chosen_ratio) - F.logsigmoid(-beta * rejected_ratio)
@@ -109,10 +109,10 @@ def _dpo_term(kind: str, pairs: Pairs, logps: tuple[torch.Tensor, ...], p: Any) 
         return (chosen_ratio - 0.5 / beta) ** 2 + (rejected_ratio + 0.5 / beta) ** 2
     if kind == "aot":
         delta = torch.sort(chosen - rejected, dim=0)[0] - torch.sort(ref_chosen - ref_rejected, dim=0)[0]
-        return _smoothed(beta * delta, p.label_smoothing)
+        return _smoothed(beta * delta, p.smoothing)
     if kind == "aot_unpaired":
         delta = torch.sort(chosen_ratio, dim=0)[0] - torch.sort(rejected_ratio, dim=0)[0]
-        return _smoothed(beta * delta, p.label_smoothing)
+        return _smoothed(beta * delta, p.smoothing)
     if kind == "apo_zero":
         return 1 - torch.sigmoid(beta * chosen_ratio) + torch.sigmoid(beta * rejected_ratio)
     if kind == "apo_down":
@@ -230,9 +230,9 @@ def cpo(pairs: Pairs, kind: str, p: Any) -> tuple[torch.Tensor, Figures]:
         chosen_r, rejected_r = chosen, rejected
     logits = chosen_r - rejected_r
     if kind == "simpo":
-        losses = _smoothed(p.beta * (logits - p.simpo_gamma / p.beta), p.label_smoothing)
+        losses = _smoothed(p.beta * (logits - p.simpo_gamma / p.beta), p.smoothing)
     elif kind == "sigmoid":
-        losses = _smoothed(p.beta * logits, p.label_smoothing)
+        losses = _smoothed(p.beta * logits, p.smoothing)
     elif kind == "hinge":
         losses = torch.relu(1 - p.beta * logits)
     else:

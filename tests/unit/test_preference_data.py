@@ -188,7 +188,7 @@ def test_sft_data_given_to_dpo_and_pairs_given_to_sft_exit_2(tmp_path):
     [
         (["lora.init_lora_weights=pissa"], "would not be the model training starts from"),
         (["train.chunked_loss=true"], "TRL's LM head"),
-        (["preference.loss_type=exo_pair"], "needs it above 0"),
+        (["preference.loss_type=exo_pair", "preference.label_smoothing=0"], "needs it above 0"),
         (["data.packing=true"], "pairs are not packed"),
         (["preference.loss_type=[sigmoid,sft]", "preference.loss_weights=[1.0]"], "1 weight"),
         (["preference.loss_type=[sigmoid,apo_zero]", "preference.f_divergence_type=forward_kl"], "no form for"),
