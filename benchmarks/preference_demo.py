@@ -32,22 +32,11 @@ def cli(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def likelier(directory: Path) -> float:
-    """The held-out pairs whose chosen answer the model finds likelier (ORPO's accuracy: no reference)."""
-    done = cli(
-        "eval",
-        str(directory),
-        "--data",
-        HELD_OUT,
-        "--format",
-        "preference",
-        "--method",
-        "orpo",
-        "--samples",
-        "0",
-        "--json",
-    )
-    return json.loads(done.stdout)["preference_accuracy"]
+def scored(directory: Path, method: str) -> float:
+    """The held-out pairs ``method`` counts as preferred: orpo, the chosen answer likelier (no reference); dpo,
+    its implied reward (beta x the log-ratio to the run's reference) above the rejected one's."""
+    args = ["--data", HELD_OUT, "--format", "preference", "--method", method, "--samples", "0", "--json"]
+    return json.loads(cli("eval", str(directory), *args).stdout)["preference_accuracy"]
 
 
 def train(command: str, recipe: str, out: Path, *overrides: str) -> dict:
@@ -57,7 +46,7 @@ def train(command: str, recipe: str, out: Path, *overrides: str) -> dict:
     keys = ("exact_match", "preference_accuracy", "reward_margin", "loss")
     return {
         "before": {k: before[k] for k in keys if k in before},
-        "after": {k: after[k] for k in keys if k in after} | {"likelier": likelier(out / "final")},
+        "after": {k: after[k] for k in keys if k in after} | {"likelier": scored(out / "final", "orpo")},
         "compiles_after_warmup": metrics["compiles"]["after_warmup"],
         "seconds": metrics["time"]["total_seconds"],
     }
@@ -78,9 +67,12 @@ def run_all(sft_steps: int, tmp: Path) -> dict:
         "DPO alone": ("dpo", "tiny_dpo_cpu", ["preference.loss_type=[sigmoid]"]),
         "KTO": ("kto", "tiny_kto_cpu", []),
     }
-    for name, (command, recipe, extra) in plan.items():
+    for index, (name, (command, recipe, extra)) in enumerate(plan.items()):
         print(f"{name}...", file=sys.stderr, flush=True)
-        runs[name] = train(command, f"recipes/{recipe}.yaml", tmp / command / name[:3], *start, *extra)
+        out = tmp / f"{command}-{index}"
+        runs[name] = train(command, f"recipes/{recipe}.yaml", out, *start, *extra)
+        if command == "kto":  # KTO logs no accuracy: its implied rewards against its reference, as DPO counts them
+            runs[name]["after"]["preference_accuracy"] = scored(out / "final", "dpo")
         runs[name] |= {"start": "the SFT adapter", "before_scored": after_sft}
     print("ORPO from the base...", file=sys.stderr, flush=True)
     runs["ORPO"] = train("orpo", "recipes/tiny_orpo_cpu.yaml", tmp / "orpo")
@@ -103,7 +95,10 @@ def table(result: dict) -> str:
         f"{scored} pairs (the whole batches of {recipe.train.global_batch_size} of {held_out}) whose chosen answer "
         "has the higher average log-probability (`lowmem-tpu eval --method orpo`: the same measure for every "
         "method, no reference), the run's own preference accuracy (TRL's, by its method: DPO's against its "
-        f"reference; KTO logs none), and greedy exact match over the first {recipe.train.eval_samples} prompts:",
+        "reference, ORPO's likelier chosen answer; KTO logs none: its implied rewards against its reference, as "
+        f"`eval --method dpo` counts them), and greedy exact match over the first {recipe.train.eval_samples} "
+        "prompts. Before DPO's first step the policy is its reference: their log-ratios agree to float rounding "
+        "(about 1e-8), and TRL's strict comparison counts those ties at random:",
         "",
         "| run | from | chosen likelier | own preference accuracy | exact match | compiles after warm-up | seconds |",
         "|---|---|---|---|---|---|---|",
