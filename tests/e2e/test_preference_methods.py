@@ -6,13 +6,12 @@ log TRL's figures and compile nothing after warm-up."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
-from preference_steps import HELPERS, PAIRS, xla_step
+from preference_steps import PAIRS, trl_on_given_rows, xla_step
 from tiny_models import make_adapter, make_base
 
 from lowmem_tpu.config.methods import METHODS
@@ -36,11 +35,9 @@ def test_the_reference_free_methods_compute_trls_loss_metrics_and_gradients(tmp_
     trl_options = {"beta": 0.5, **{k.removeprefix("alphapo_"): v for k, v in options.items()}}
     if method == "cpo":
         trl_options["loss_type"] = loss
-    env = {**os.environ, "USE_TORCH_XLA": "0", "PJRT_DEVICE": "", "HF_HUB_OFFLINE": "1"}
-    command = [sys.executable, str(HELPERS / "pair_reference.py"), method, str(base), str(adapter)]
-    command += [str(tmp_path / "run" / "rows.safetensors"), json.dumps(trl_options), str(tmp_path / "trl.json")]
-    subprocess.run(command, env=env, check=True, timeout=300)
-    trl = json.loads((tmp_path / "trl.json").read_text())
+    trl = trl_on_given_rows(
+        method, base, adapter, tmp_path / "run" / "rows.safetensors", trl_options, tmp_path / "trl.json"
+    )
     assert sorted(trl) == sorted(("loss", *METHODS[method].metrics))  # the table lists what TRL logs
     for key in trl:
         assert ours[key] == pytest.approx(trl[key], abs=1e-4, rel=1e-4), key
@@ -71,11 +68,9 @@ def test_kto_computes_trls_loss_metrics_and_gradients(tmp_path, picks, options):
     adapter = make_adapter(base, tmp_path / "adapter", r=4)
     ours = xla_step(base, adapter, 8, 0.5, "sigmoid", tmp_path / "run", options=options, method="kto", picks=picks)
     trl_options = {"beta": 0.5, **{("loss_type" if k == "kto_loss" else k): v for k, v in options.items()}}
-    env = {**os.environ, "USE_TORCH_XLA": "0", "PJRT_DEVICE": "", "HF_HUB_OFFLINE": "1"}
-    command = [sys.executable, str(HELPERS / "kto_reference.py"), str(base), str(adapter)]
-    command += [str(tmp_path / "run" / "rows.safetensors"), json.dumps(trl_options), str(tmp_path / "trl.json")]
-    subprocess.run(command, env=env, check=True, timeout=300)
-    trl = json.loads((tmp_path / "trl.json").read_text())
+    trl = trl_on_given_rows(
+        "kto", base, adapter, tmp_path / "run" / "rows.safetensors", trl_options, tmp_path / "trl.json"
+    )
     logged = {key for key in ours if key in METHODS["kto"].metrics or key == "loss"}
     assert logged == set(trl)  # what a batch without desirable (or undesirable) rows leaves out, left out alike
     for key in trl:

@@ -94,3 +94,15 @@ def xla_step(
     sync()  # one program for every gradient: .cpu() on each pending one would compile a program each
     grads = {name: p.grad.cpu() for name, p in trainer.names.params.items() if p.requires_grad}  # clean names
     return {"loss": loss.item(), **trainer.device_metrics.means("train"), "grads": grads}
+
+
+def trl_on_given_rows(method: str, base: Path, adapter: Path, rows: Path, options: dict, out: Path) -> dict:
+    """TRL's ORPOTrainer, CPOTrainer (cpo, simpo) or KTOTrainer (kto) on plain CPU PyTorch, fed ``rows`` (what
+    ``xla_step`` saved): its loss and figures; the adapters' gradients in OUT.grads.safetensors."""
+    env = {**os.environ, "USE_TORCH_XLA": "0", "PJRT_DEVICE": "", "HF_HUB_OFFLINE": "1"}
+    if method == "kto":
+        command = [sys.executable, str(HELPERS / "kto_reference.py"), str(base), str(adapter)]
+    else:
+        command = [sys.executable, str(HELPERS / "pair_reference.py"), method, str(base), str(adapter)]
+    subprocess.run([*command, str(rows), json.dumps(options), str(out)], env=env, check=True, timeout=300)
+    return json.loads(out.read_text())
