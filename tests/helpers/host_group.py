@@ -116,8 +116,8 @@ def _shared(workdir: Path, same_dir: bool) -> dict[str, Any]:
 
 
 def _data(workdir: Path, different_on: int | None = None) -> dict[str, Any]:
-    """Every host builds the run's data as ``sft`` does: host 0 writes the cache, the others read it."""
-    from lowmem_tpu import hosts, sft
+    """Every host builds the run's data as a run does: host 0 writes the cache, the others read it."""
+    from lowmem_tpu import hosts, run
     from lowmem_tpu.config import load_recipe
     from lowmem_tpu.errors import UserError
 
@@ -126,9 +126,9 @@ def _data(workdir: Path, different_on: int | None = None) -> dict[str, Any]:
         overrides[1] = "data.max_samples=48"
     recipe = load_recipe("recipes/tiny_lora_cpu.yaml", overrides)
     (workdir / "run").mkdir(exist_ok=True)
-    tokenizer = sft._tokenizer(recipe)
+    tokenizer = run._tokenizer(recipe)
     try:
-        _, stats, _, _ = sft._data(recipe, tokenizer, workdir / "run")
+        _, stats, _, _ = run._data(recipe, tokenizer, workdir / "run")
     except UserError as err:
         return {"refused": str(err)}
     return {"refused": None, "cached": stats["cached"], "digest": stats["rows_sha256"]}
