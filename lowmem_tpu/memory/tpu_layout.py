@@ -286,17 +286,12 @@ TRAINED_HEAD_LOGITS = 2
 # recipes (two passes): 3.4 more than the SFT plan's one for Llama 3.1 8B on v5e-8, 2.8 more for Llama 3.2 3B
 # on v5e-1 (docs/tpu_compile.json).
 PREFERENCE_PASS_LOGITS = 2
-# A pass over KTO's KL rows (each prompt with another row's completion; the policy's and the reference's, no
-# gradients): read off llama3_8b_kto_v5e8 at 4 rows a chip, where the TPU compiler held 18.79 GiB and 2 such
-# buffers a pass planned 13.16 (docs/tpu_compile.json keeps the 2-row recipe's compile).
-KL_PASS_LOGITS = 5
 
 
 def logits(s: Shape, st: Setting) -> int:
     """The loss's buffer: [tokens, vocab] in the compute dtype, or the chunked loss's blocks of it."""
     if st.preference:
-        kl = st.kl_passes
-        buffers = PREFERENCE_PASS_LOGITS * (st.forward_passes - kl) + KL_PASS_LOGITS * kl
+        buffers = PREFERENCE_PASS_LOGITS * st.forward_passes
         return buffers * st.tokens * s.vocab * DTYPE_BYTES[st.dtype]
     rows = CHUNKED_LOSS_BLOCKS * st.live_sequences * loss_block(st.length) if st.chunked_loss else st.tokens
     copies = TRAINED_HEAD_LOGITS if not st.lora and not st.chunked_loss and _spread(st) == "sharded" else 1

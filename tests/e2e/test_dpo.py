@@ -1,8 +1,8 @@
 """``lowmem-tpu dpo`` against TRL itself: on the same tiny model, pairs and LoRA weights, the loss and rewards
 the XLA step computes (4 virtual devices, FSDP, the rows at their static shape) equal TRL's DPOTrainer on plain
 CPU PyTorch (its own tokenization and padding) within 1e-4, and so do the adapters' gradients; a run from fresh
-adapters starts at ln 2 with every reward 0 (to float rounding), compiles nothing after warm-up, and writes an adapter that is
-merged and carded as any run's."""
+adapters starts at ln 2 with every reward 0 (to float rounding), compiles nothing after warm-up, and writes an
+adapter that is merged and carded as any run's."""
 
 from __future__ import annotations
 

@@ -148,7 +148,6 @@ TERMS = {
         "a preference step's `[tokens, vocab]` buffers per forward pass, in the SFT step's one",
         "the DPO recipes",
     ),
-    "KL_PASS_LOGITS": ("the same for a pass over KTO's KL rows", "Llama 3.1 8B's KTO at 4 rows a chip, v5e-8"),
     "GRADIENT_COPY_BYTES": (
         "full fine-tuning: bytes per trained element held until the optimizer runs",
         "Open Llama 3B on v5e-8, 7B on v5e-16",
