@@ -25,6 +25,7 @@ class Method:
     passes: int  # forward passes over a micro-batch's rows in a step (reference and KL rows included)
     reference_passes: int  # of those, the frozen reference's (none when its log-probabilities are precomputed)
     metrics: tuple[str, ...]  # what its loss logs beside the loss (TRL's names)
+    kl_passes: int = 0  # of the passes, those over KTO's KL rows (each prompt with another row's completion)
 
     @property
     def pairs(self) -> bool:
@@ -103,6 +104,7 @@ METHODS: dict[str, Method] = {
             4,  # the policy and the reference, each on the rows and on the KL rows (another row's completion)
             2,
             ("kl", "entropy", "logits/chosen", "logits/rejected", *REWARDS[:2], "rewards/margins", *LOGPS[:2]),
+            kl_passes=2,
         ),
     )
 }

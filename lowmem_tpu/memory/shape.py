@@ -125,6 +125,11 @@ class Setting:
         return METHODS[self.method].reference and not self.reference_precomputed
 
     @property
+    def kl_passes(self) -> int:
+        """Of the forward passes, those over KTO's KL rows (the policy's and the reference's, no gradients)."""
+        return METHODS[self.method].kl_passes
+
+    @property
     def forward_passes(self) -> int:
         """Forward passes over the micro-batch's rows in a step (the reference's and KTO's KL rows included)."""
         return METHODS[self.method].forward_passes(self.reference_precomputed)
