@@ -107,9 +107,10 @@ def table(result: dict) -> str:
         b, a = run["before"], run["after"]
         scored_before = run.get("before_scored")
         likely = f"{scored_before['likelier']:.3f} -> {a['likelier']:.3f}" if scored_before else f"{a['likelier']:.3f}"
-        own = (
-            f"{b['preference_accuracy']:.3f} -> {a['preference_accuracy']:.3f}" if "preference_accuracy" in a else "n/a"
-        )
+        own = "n/a"
+        if "preference_accuracy" in a:  # KTO's: after training only (its run logs none)
+            own = f"{b['preference_accuracy']:.3f} -> " if "preference_accuracy" in b else "after: "
+            own += f"{a['preference_accuracy']:.3f}"
         lines.append(
             f"| {name} | {run['start']} | {likely} | {own} | {b['exact_match']:.3f} -> {a['exact_match']:.3f} | "
             f"{run['compiles_after_warmup']} | {run['seconds']:.0f} |"

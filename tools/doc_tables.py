@@ -111,6 +111,7 @@ TABLES: list[tuple[Path, str, Callable[[], str]]] = [
     (DOCS / "speed_calibration.md", "placement-loss", benchmark_table("same_loss", "placement")),
     (DOCS / "speed_calibration.md", "open-llama-placement-loss", benchmark_table("same_loss", "open-llama-placement")),
     (DOCS / "preference.md", "preference-demo", benchmark_table("preference_demo")),
+    (DOCS / "preference.md", "trl-parity", benchmark_table("trl_parity")),
     (DOCS / "serving.md", "gguf-demo", benchmark_table("gguf_demo")),
     (DOCS / "serving.md", "lm-eval-time", benchmark_table("lm_eval_time")),
     (DOCS / "memory.md", "devices", devices_table),

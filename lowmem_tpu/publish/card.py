@@ -207,7 +207,7 @@ def _recipe_section(recipe: dict[str, Any], metrics: dict[str, Any]) -> str:
     ]
     command = _run_method(recipe)
     if METHODS[command].preference:
-        rows.insert(2, ("method", _method_settings(recipe)))
+        rows.insert(2, ("method", f"{_method_settings(recipe)}: {METHODS[command].summary}"))
     if METHODS[command].reference:
         if m.get("adapter"):
             rows.insert(3, ("started from", f"`{m['adapter']}` (also the reference, frozen)"))
