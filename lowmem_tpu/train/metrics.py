@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
+from lowmem_tpu.config.methods import METHODS
 from lowmem_tpu.train.plot import JSONL
 from lowmem_tpu.xla import runtime as rt
 
@@ -129,8 +130,6 @@ class DeviceMetrics:
 
     def zeros(self, mode: str) -> list[torch.Tensor]:
         """Every running sum, ``mode``'s not started yet started at 0 (step 1 as step 2 has them: ``train.steady``)."""
-        from lowmem_tpu.config.methods import METHODS
-
         method = METHODS[self.recipe.method]
         # a preference method's token accuracy is TRL's own (mean_token_accuracy), not counted here
         running = RUNNING[:2] if method.preference else RUNNING
@@ -182,8 +181,6 @@ class DeviceMetrics:
             }
             if self.runtime.peak_flops and self.flops_per_token:
                 # Padding tokens are computed too: count every position, not only real tokens.
-                from lowmem_tpu.config.methods import METHODS
-
                 rows = METHODS[self.recipe.method].rows_per_example  # a pair: chosen and rejected
                 positions = steps * self.recipe.train.global_batch_size * rows * self.recipe.data.max_length
                 achieved = positions * self.flops_per_token / seconds / self.runtime.num_devices

@@ -257,7 +257,7 @@ def kto(
     Figures TRL logs only when the micro-batch has such rows are ``(value, present)``."""
     reference, kl_policy, kl_reference = logps
     completion = completion_mask[:, 1:].to(policy.log_probs.dtype)
-    sums = (policy.log_probs * completion).sum(dim=1)
+    sums = sequence_logps(policy.log_probs, completion, None)
     chosen = label.to(sums.dtype)
     rejected = 1 - chosen
     # TRL's KL estimate: the mismatched rows' mean log-ratio, never below 0 (apo_zero_unpaired has none)

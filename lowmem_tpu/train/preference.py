@@ -1,9 +1,9 @@
-"""TRL's preference trainers on XLA SPMD FSDP: DPO, ORPO, CPO and SimPO on the glue of
+"""TRL's preference trainers on XLA SPMD FSDP: DPO, ORPO, CPO, SimPO and KTO on the glue of
 :mod:`lowmem_tpu.train.trainer`, their losses on the devices (:mod:`lowmem_tpu.train.pair_loss`).
 
-The rows come ready at a static shape (``lowmem_tpu.data.pairs``: TRL's own tokenization, padded to
-``data.max_length``), so TRL's dataset preparation is skipped and the step compiles once (TRL pads each
-batch to its longest pair, a new program for every length: trl#2001). Every method runs on TRL's
+The rows come ready at a static shape (``lowmem_tpu.data.pairs``, KTO's ``data.unpaired``: TRL's own
+tokenization, padded to ``data.max_length``), so TRL's dataset preparation is skipped and the step compiles
+once (TRL pads each batch to its longest pair, a new program for every length: trl#2001). Every method runs on TRL's
 ``DPOTrainer`` (its data plumbing and reference handling); the loss is the method's own (``recipe.method``).
 
 DPO's reference is the same model: with fresh adapters (B = 0) the policy with its adapters switched off,
@@ -11,7 +11,8 @@ so the frozen sharded base serves both and no copy is made; starting from a trai
 (``model.adapter``), TRL's frozen copy of it (the ``ref`` adapter). Precomputed
 (``preference.precompute_ref_log_probs``, full-parameter DPO's way): the model as it is before training, run
 once over the pairs; its log-probabilities ride with the rows (TRL's ``ref_chosen_logps`` columns) and no
-step runs the reference. ORPO, CPO and SimPO have none: one policy pass per micro-batch.
+step runs the reference. ORPO, CPO and SimPO have none: one policy pass per micro-batch. KTO's reference
+runs in every step, on the rows and on the KL rows made when a batch is collated.
 
 Each micro-batch is one program: the policy's forward pass, the reference's, the loss and the backward pass
 (trap ``per-step-item``: TRL's figures stay on the devices, read once per log).
@@ -111,7 +112,7 @@ class XlaPreferenceTrainer(XlaTrainerMixin, DPOTrainer):
         return dataset.add_column("ref_chosen_logps", chosen).add_column("ref_rejected_logps", rejected)
 
     def _prepare_dataset(self, dataset: Any, *args: Any, **kwargs: Any) -> Any:
-        return dataset  # rows made by lowmem_tpu.data.pairs
+        return dataset  # rows made by lowmem_tpu.data.pairs or data.unpaired
 
     def _set_signature_columns_if_needed(self) -> None:
         self._signature_columns = ["input_ids", "attention_mask", "completion_mask", "label"]
@@ -125,8 +126,8 @@ class XlaPreferenceTrainer(XlaTrainerMixin, DPOTrainer):
         else:
             scored = {"shift_labels": pair_loss.every_position(ids)}
         outputs = model(input_ids=ids, attention_mask=attention, **scored, use_cache=False, fused_lm_head=True)
-        pairs = pair_loss.Pairs.of(outputs, completion)
         p, name = self.recipe.preference, self.method.name
+        pairs = pair_loss.Pairs.of(outputs, completion) if self.method.pairs else None
         if name == "kto":
             logps = self._kto_logps(model, inputs, labels)
             loss, figures = pair_loss.kto(outputs, completion, inputs["label"], logps, p)
