@@ -245,7 +245,7 @@ _READ_BY = {
     "orpo": {"beta"},
     "cpo": {"beta", "loss_type", "label_smoothing", "cpo_alpha", "alphapo_alpha"},
     "simpo": {"beta", "label_smoothing", "cpo_alpha", "simpo_gamma", "alphapo_alpha"},
-    "kto": {"beta", "kto_loss", "desirable_weight", "undesirable_weight"},
+    "kto": {"beta", "kto_loss", "desirable_weight", "undesirable_weight", "precompute_ref_log_probs"},
 }
 _DPO_ONLY = {"cpo_alpha", "simpo_gamma", "alphapo_alpha", "kto_loss", "desirable_weight", "undesirable_weight"}
 
@@ -296,13 +296,6 @@ def _preference_problems(recipe: Any) -> list[Problem]:
             "set train.chunked_loss: false"
         )
         problems.append((("train.chunked_loss", "method"), message))
-    if recipe.method == "kto" and not recipe.lora.enabled:
-        message = (
-            "lora.enabled: false: KTO runs its reference in every step, as the base under the adapters; full-"
-            "parameter KTO would need a frozen copy of the model (or the reference precomputed, not supported "
-            "for KTO yet): set lora.enabled: true"
-        )
-        problems.append((("lora.enabled", "method"), message))
     if recipe.method == "kto" and recipe.train.global_batch_size // recipe.train.gradient_accumulation_steps < 2:
         message = (
             "train.global_batch_size: KTO's KL term pairs each row with another row's completion in the same "

@@ -9,7 +9,8 @@ the prompt's tokens and the joined text's part); ``data.too_long`` as for pairs.
 
 KTO estimates its KL term from mismatched rows: each prompt with the completion of the batch's previous row
 (TRL's ``KL_completion_ids``: the completions rotated by one within the batch), cut at ``data.max_length``
-from the right, as TRL's collator cuts them.
+from the right, as TRL's collator cuts them. With the reference precomputed the KL rows are fixed once, per
+block of a micro-batch's rows in the dataset's order, as TRL's dataset fixes them (``with_kl_rows``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
 
 ROW_COLUMNS = ("input_ids", "attention_mask", "completion_mask")
 KL_COLUMNS = tuple(f"KL_{name}" for name in ROW_COLUMNS)
+REFERENCE_COLUMNS = ("ref_logps", "ref_KL_logps")  # TRL's: the reference on the rows and on their KL rows
 Row = tuple[list[int], list[int], bool]  # prompt ids, completion ids, desirable
 
 
@@ -124,25 +126,47 @@ def _place(arrays: dict[str, np.ndarray], row: int, prompt: list[int], completio
 
 def collate_unpaired(rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
     """A KTO batch at a static shape: the rows ``[batch, max_length]``, ``label`` ``[batch]`` (bool), and the KL
-    rows: row i's prompt with row i-1's completion (row 0 with the last's), cut at ``max_length``."""
+    rows: those the rows carry (``with_kl_rows``), else made here (``kl_rows``); the reference's log-probabilities
+    where precomputed."""
     import numpy as np
     import torch
 
     if not rows:
         raise ValueError("collate_unpaired needs at least one row")
-    arrays = {key: np.array([row[key] for row in rows], dtype=np.int64) for key in ROW_COLUMNS}
-    kl = {f"KL_{key}": np.zeros_like(value) for key, value in arrays.items()}
-    kl["KL_input_ids"][:] = arrays["input_ids"][:, -1:]  # past the row: any token (masked), the pad id mostly
-    prompts = [ids[(mask == 1) & (done == 0)].tolist() for ids, mask, done in _row_parts(arrays)]
-    completions = [ids[done == 1].tolist() for ids, _, done in _row_parts(arrays)]
-    for row, prompt in enumerate(prompts):
-        _place(kl, row, prompt, completions[row - 1], prefix="KL_")
-    batch = {key: torch.from_numpy(value) for key, value in (arrays | kl).items()}
+    carried = KL_COLUMNS if KL_COLUMNS[0] in rows[0] else ()
+    arrays = {key: np.array([row[key] for row in rows], dtype=np.int64) for key in (*ROW_COLUMNS, *carried)}
+    batch = {key: torch.from_numpy(value) for key, value in (arrays if carried else arrays | kl_rows(arrays)).items()}
     batch["label"] = torch.tensor([bool(row["label"]) for row in rows])
-    for key in ("ref_logps", "ref_KL_logps") if "ref_logps" in rows[0] else ():
+    for key in (key for key in REFERENCE_COLUMNS if key in rows[0]):
         batch[key] = torch.tensor([row[key] for row in rows], dtype=torch.float32)
     return batch
 
 
-def _row_parts(arrays: dict[str, np.ndarray]) -> Any:
-    return zip(arrays["input_ids"], arrays["attention_mask"], arrays["completion_mask"], strict=True)
+def kl_rows(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """KTO's KL rows for a batch of rows: row i's prompt with row i-1's completion (row 0 with the last's), cut
+    at ``max_length`` (TRL's ``KL_completion_ids``)."""
+    import numpy as np
+
+    kl = {f"KL_{key}": np.zeros_like(arrays[key]) for key in ROW_COLUMNS}
+    kl["KL_input_ids"][:] = arrays["input_ids"][:, -1:]  # past the row: any token (masked), the pad id mostly
+    parts = list(zip(arrays["input_ids"], arrays["attention_mask"], arrays["completion_mask"], strict=True))
+    prompts = [ids[(mask == 1) & (done == 0)].tolist() for ids, mask, done in parts]
+    completions = [ids[done == 1].tolist() for ids, _, done in parts]
+    for row, prompt in enumerate(prompts):
+        _place(kl, row, prompt, completions[row - 1], prefix="KL_")
+    return kl
+
+
+def with_kl_rows(dataset: datasets.Dataset, block: int) -> datasets.Dataset:
+    """``dataset`` with fixed KL rows, each block of ``block`` rows (a micro-batch) paired as ``kl_rows`` pairs a
+    batch: TRL's ``KTOTrainer`` dataset, whose KL rows a precomputed reference scores once."""
+    import numpy as np
+
+    if KL_COLUMNS[0] in dataset.column_names:
+        return dataset
+
+    def add(batch: dict[str, list]) -> dict[str, list]:
+        arrays = {key: np.array(batch[key], dtype=np.int64) for key in ROW_COLUMNS}
+        return {key: value.astype(np.int32).tolist() for key, value in kl_rows(arrays).items()}
+
+    return dataset.map(add, batched=True, batch_size=block, desc=None)

@@ -11,8 +11,9 @@ so the frozen sharded base serves both and no copy is made; starting from a trai
 (``model.adapter``), TRL's frozen copy of it (the ``ref`` adapter). Precomputed
 (``preference.precompute_ref_log_probs``, full-parameter DPO's way): the model as it is before training, run
 once over the pairs; its log-probabilities ride with the rows (TRL's ``ref_chosen_logps`` columns) and no
-step runs the reference. ORPO, CPO and SimPO have none: one policy pass per micro-batch. KTO's reference
-runs in every step, on the rows and on the KL rows made when a batch is collated.
+step runs the reference. ORPO, CPO and SimPO have none: one policy pass per micro-batch. KTO's reference is
+DPO's, run on the rows and on the KL rows made when a batch is collated; precomputed (full-parameter KTO's
+way), on KL rows fixed once per micro-batch block of the dataset, as TRL's KTOTrainer fixes them.
 
 Each micro-batch is one program: the policy's forward pass, the reference's, the loss and the backward pass
 (trap ``per-step-item``: TRL's figures stay on the devices, read once per log).
@@ -31,7 +32,7 @@ from trl import DPOTrainer
 from lowmem_tpu.config.methods import METHODS
 from lowmem_tpu.console import say
 from lowmem_tpu.data.pairs import collate_pairs
-from lowmem_tpu.data.unpaired import KL_COLUMNS, collate_unpaired
+from lowmem_tpu.data.unpaired import KL_COLUMNS, REFERENCE_COLUMNS, collate_unpaired, with_kl_rows
 from lowmem_tpu.errors import UserError
 from lowmem_tpu.train import pair_loss
 from lowmem_tpu.train.trainer import XlaTrainerMixin
@@ -73,9 +74,10 @@ class XlaPreferenceTrainer(XlaTrainerMixin, DPOTrainer):
         if not self.precompute_ref_logps:
             return
         reads = self.recipe.train.global_batch_size * self.recipe.train.max_steps
-        if "ref_chosen_logps" not in self.train_dataset.column_names and len(self.train_dataset) > reads:
+        unscored = self._reference_keys()[0] not in self.train_dataset.column_names
+        if unscored and len(self.train_dataset) > reads:
             say(
-                f"note: the run reads {reads:,} of its {len(self.train_dataset):,} pairs; all of them are scored by "
+                f"note: the run reads {reads:,} of its {len(self.train_dataset):,} examples; all of them are scored by "
                 f"the reference (data.max_samples={reads} scores only as many)"
             )
         self.train_dataset = self._with_reference(self.train_dataset, "train")
@@ -98,18 +100,33 @@ class XlaPreferenceTrainer(XlaTrainerMixin, DPOTrainer):
         return super().evaluate(eval_dataset, **kwargs)
 
     def _with_reference(self, dataset: Any, name: str) -> Any:
-        """``dataset`` with the reference's log-probabilities of each pair (TRL's ``ref_chosen_logps`` and
-        ``ref_rejected_logps``), computed on the devices by the model as it is now, which must be the
-        starting model (TRL's rule); rows that already carry them are kept."""
-        if "ref_chosen_logps" in dataset.column_names:
+        """``dataset`` with the reference's log-probabilities of each example (TRL's ``ref_chosen_logps`` and
+        ``ref_rejected_logps`` of a pair; ``ref_logps`` and ``ref_KL_logps`` of a KTO row and its KL row, the KL
+        rows then fixed), computed on the devices by the model as it is now, which must be the starting model
+        (TRL's rule); rows that already carry them are kept."""
+        columns = self._reference_keys()
+        if columns[0] in dataset.column_names:
             return dataset
         if self.weights_moved and not self.recipe.lora.enabled:  # LoRA's reference is frozen: any time will do
-            raise RuntimeError(f"the {name} pairs' reference is the starting model, whose weights have moved")
+            raise RuntimeError(f"the {name} rows' reference is the starting model, whose weights have moved")
+        if self.method.rows == "unpaired":
+            dataset = with_kl_rows(dataset, self.args.per_device_train_batch_size)
         if self.placeholder_weights:  # a step measured, never trained: the values do not matter
-            chosen = rejected = [0.0] * len(dataset)
+            values = [[0.0] * len(dataset)] * len(columns)
         else:
-            chosen, rejected = reference_logps(self, dataset, name)
-        return dataset.add_column("ref_chosen_logps", chosen).add_column("ref_rejected_logps", rejected)
+            values = reference_logps(self, dataset, name)
+        for column, value in zip(columns, values, strict=True):
+            dataset = dataset.add_column(column, value)
+        return dataset
+
+    def _reference_keys(self) -> tuple[str, ...]:
+        if self.method.rows != "unpaired":
+            return "ref_chosen_logps", "ref_rejected_logps"
+        return REFERENCE_COLUMNS if self._with_kl else REFERENCE_COLUMNS[:1]
+
+    @property
+    def _with_kl(self) -> bool:
+        return self.method.rows == "unpaired" and self.recipe.preference.kto_loss == "kto"
 
     def _prepare_dataset(self, dataset: Any, *args: Any, **kwargs: Any) -> Any:
         return dataset  # rows made by lowmem_tpu.data.pairs or data.unpaired
@@ -146,11 +163,19 @@ class XlaPreferenceTrainer(XlaTrainerMixin, DPOTrainer):
         KL rows (none for apo_zero_unpaired), TRL's order and forms (``KTOTrainer._compute_kl_logps``)."""
         kl_inputs = {name.removeprefix("KL_"): inputs[name] for name in KL_COLUMNS}
         kl_labels = kl_inputs["input_ids"].masked_fill(kl_inputs["completion_mask"] == 0, -100)
-        with_kl = self.recipe.preference.kto_loss == "kto"
         with torch.no_grad():
-            kl_policy = self._sequence_logps(model, kl_inputs, kl_labels) if with_kl else None
-        kl_reference = self._reference(model, kl_inputs, kl_labels) if with_kl else None
-        return self._reference(model, inputs, labels), kl_policy, kl_reference
+            kl_policy = self._sequence_logps(model, kl_inputs, kl_labels) if self._with_kl else None
+        if "ref_logps" in inputs:
+            return inputs["ref_logps"], kl_policy, inputs.get("ref_KL_logps")
+        reference, kl_reference = self._kto_reference(model, inputs, labels)
+        return reference, kl_policy, kl_reference
+
+    def _kto_reference(self, model: torch.nn.Module, inputs: dict[str, Any], labels: torch.Tensor) -> tuple:
+        """The reference on a KTO batch's rows and (with the KL term) on its KL rows."""
+        kl_inputs = {name.removeprefix("KL_"): inputs[name] for name in KL_COLUMNS}
+        kl_labels = kl_inputs["input_ids"].masked_fill(kl_inputs["completion_mask"] == 0, -100)
+        kl_reference = self._reference(model, kl_inputs, kl_labels) if self._with_kl else None
+        return self._reference(model, inputs, labels), kl_reference
 
     def _sequence_logps(self, model: torch.nn.Module, inputs: dict[str, Any], labels: torch.Tensor) -> torch.Tensor:
         out = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], labels=labels,
@@ -192,11 +217,11 @@ def as_reference(peft: Any) -> Any:
     return use_adapter(peft, "ref" if "ref" in peft.peft_config else None)
 
 
-def reference_logps(trainer: XlaPreferenceTrainer, dataset: Any, name: str) -> tuple[list[float], list[float]]:
-    """The reference's summed log-probabilities of each pair's chosen and rejected completion (TRL's
-    ``compute_ref_log_probs``): the reference pass a step would run (``XlaPreferenceTrainer._reference``), one
-    static micro-batch at a time, so that before training the policy equals its reference. The last
-    micro-batch is filled up with the first pairs (static shapes), their values dropped."""
+def reference_logps(trainer: XlaPreferenceTrainer, dataset: Any, name: str) -> list[list[float]]:
+    """The reference's summed log-probabilities of each example, one list per reference column (TRL's
+    ``compute_ref_log_probs``: a pair's chosen and rejected completion; a KTO row and its KL row): the reference
+    pass a step would run, one static micro-batch at a time, so that before training the policy equals its
+    reference. The last micro-batch is filled up with the first examples (static shapes), their values dropped."""
     import math
     import time
 
@@ -204,19 +229,22 @@ def reference_logps(trainer: XlaPreferenceTrainer, dataset: Any, name: str) -> t
     filled = dataset.select([i % n for i in range(n + (-n) % micro)])
     every = math.ceil(len(filled) // micro / 10)
     model, started, sums = trainer.fsdp_model, time.perf_counter(), []
-    say(f"reference log-probabilities of {n:,} {name} pairs: one forward pass before training")
+    say(f"reference log-probabilities of {n:,} {name} examples: one forward pass before training")
     was_training = model.training
     model.eval()
     with torch.no_grad():
         for index, batch in enumerate(trainer.get_eval_dataloader(filled), 1):
             labels = batch["input_ids"].masked_fill(batch["completion_mask"] == 0, -100)
-            sums.append(trainer._reference(model, batch, labels).cpu())
+            if trainer.method.rows == "unpaired":
+                columns = [c for c in trainer._kto_reference(model, batch, labels) if c is not None]
+            else:  # the rows: every chosen, then every rejected
+                columns = trainer._reference(model, batch, labels).chunk(2)
+            sums.append(torch.stack(columns).cpu())
             if index % every == 0:
-                say(f"  {min(index * micro, n):,}/{n:,} pairs ({time.perf_counter() - started:.0f} s)")
+                say(f"  {min(index * micro, n):,}/{n:,} {name} examples ({time.perf_counter() - started:.0f} s)")
     model.train(was_training)
-    chosen, rejected = zip(*(s.chunk(2) for s in sums), strict=True)  # rows: every chosen, then every rejected
-    say(f"reference log-probabilities: {n:,} {name} pairs in {time.perf_counter() - started:.1f} s")
-    return torch.cat(chosen)[:n].tolist(), torch.cat(rejected)[:n].tolist()
+    say(f"reference log-probabilities: {n:,} {name} examples in {time.perf_counter() - started:.1f} s")
+    return torch.cat(sums, dim=1)[:, :n].tolist()
 
 
 def load_reference(peft: Any, adapter_dir: Path) -> None:

@@ -10,12 +10,11 @@ import json
 import math
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 from preference_steps import PAIRS, trl_dpo_on_the_cpu, xla_step
-from tiny_models import make_adapter, make_base
+from tiny_models import make_adapter, make_base, moved_model
 
 from lowmem_tpu.config.methods import METHODS
 from lowmem_tpu.config.preference_fields import DPO_LOSSES
@@ -92,22 +91,11 @@ def test_a_full_parameter_dpo_run_starts_at_its_reference_and_eval_rebuilds_it(t
     assert result["preference_accuracy"] == pytest.approx(after["preference_accuracy"], abs=1e-6)
 
 
-def _moved(base: Path, out: Path) -> Path:
-    """A full model a step of training could have made from ``base``: every targeted weight changed."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    adapter = make_adapter(base, out.with_name(out.name + "-adapter"), r=4, seed=3)
-    merged = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter).merge_and_unload()
-    merged.save_pretrained(out)
-    return out
-
-
 def test_full_parameter_dpo_reads_the_precomputed_reference_as_trl_does(tmp_path):
     """Full-parameter DPO: TRL's ``precompute_ref_log_probs`` (the reference computed by the model before
     training), then the policy moved; loss, rewards and every weight's gradient equal TRL's on the CPU."""
     base = make_base(tmp_path / "base")
-    moved = _moved(base, tmp_path / "moved")
+    moved = moved_model(base, tmp_path / "moved")
     trl = trl_dpo_on_the_cpu(base, moved, 8, 0.5, "sigmoid", tmp_path / "trl.json")
     ours = xla_step(base, moved, 8, 0.5, "sigmoid", tmp_path / "run")
     assert abs(trl["rewards/margins"]) > 1e-3  # the policy is not its reference

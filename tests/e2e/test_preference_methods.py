@@ -12,7 +12,8 @@ import sys
 import pytest
 import torch
 from preference_steps import PAIRS, trl_on_given_rows, xla_step
-from tiny_models import make_adapter, make_base
+from safetensors.torch import load_file
+from tiny_models import make_adapter, make_base, moved_model
 
 from lowmem_tpu.config.methods import METHODS
 
@@ -41,8 +42,6 @@ def test_the_reference_free_methods_compute_trls_loss_metrics_and_gradients(tmp_
     assert sorted(trl) == sorted(("loss", *METHODS[method].metrics))  # the table lists what TRL logs
     for key in trl:
         assert ours[key] == pytest.approx(trl[key], abs=1e-4, rel=1e-4), key
-    from safetensors.torch import load_file
-
     expected = load_file(str(tmp_path / "trl.json.grads.safetensors"))
     assert sorted(ours["grads"]) == sorted(expected) and expected
     for name, grad in expected.items():
@@ -52,31 +51,36 @@ def test_the_reference_free_methods_compute_trls_loss_metrics_and_gradients(tmp_
 
 
 @pytest.mark.parametrize(
-    ("picks", "options"),
+    ("picks", "options", "full"),
     [
-        ([0, 1, 2, 8, 9, 10, 11, 12], {"desirable_weight": 1.5}),  # 3 desirable, 5 undesirable rows
-        (list(range(8)), {}),  # every row desirable
-        (list(range(8, 16)), {"undesirable_weight": 0.7, "kto_loss": "apo_zero_unpaired"}),  # no KL term either
+        ([0, 1, 2, 8, 9, 10, 11, 12], {"desirable_weight": 1.5}, False),  # 3 desirable, 5 undesirable rows
+        (list(range(8)), {}, True),  # every row desirable; full-parameter, the reference precomputed
+        (list(range(8, 16)), {"undesirable_weight": 0.7, "kto_loss": "apo_zero_unpaired"}, False),  # no KL term
     ],
-    ids=["mixed", "all-desirable", "all-undesirable-apo"],
+    ids=["mixed", "all-desirable-full-precomputed", "all-undesirable-apo"],
 )
-def test_kto_computes_trls_loss_metrics_and_gradients(tmp_path, picks, options):
+def test_kto_computes_trls_loss_metrics_and_gradients(tmp_path, picks, options, full):
     """KTO on the devices (policy and reference on the rows and the KL rows, one program) against TRL's
     KTOTrainer on plain CPU PyTorch, fed the same rows: loss, every figure TRL logs (those it logs for the batch),
-    every adapter's gradient. 8 pairs read as KTO: rows 0-7 desirable (the chosen), 8-15 undesirable."""
+    every trainable weight's gradient. 8 pairs read as KTO: rows 0-7 desirable (the chosen), 8-15 undesirable.
+    Full-parameter: the reference precomputed by the starting model over every row and its fixed KL row, equal to
+    TRL's ``compute_ref_log_probs``, then the policy moved (KL > 0)."""
     base = make_base(tmp_path / "base")
-    adapter = make_adapter(base, tmp_path / "adapter", r=4)
+    adapter = moved_model(base, tmp_path / "moved") if full else make_adapter(base, tmp_path / "adapter", r=4)
     ours = xla_step(base, adapter, 8, 0.5, "sigmoid", tmp_path / "run", options=options, method="kto", picks=picks)
     trl_options = {"beta": 0.5, **{("loss_type" if k == "kto_loss" else k): v for k, v in options.items()}}
     trl = trl_on_given_rows(
         "kto", base, adapter, tmp_path / "run" / "rows.safetensors", trl_options, tmp_path / "trl.json"
     )
+    if full:
+        fed = load_file(str(tmp_path / "run" / "rows.safetensors"))
+        for key in ("ref_logps", "ref_KL_logps"):
+            assert torch.allclose(fed[key], torch.tensor(trl.pop(key)), atol=1e-5, rtol=1e-5), key
+        assert trl["kl"] > 1e-4  # the policy has moved from its reference
     logged = {key for key in ours if key in METHODS["kto"].metrics or key == "loss"}
     assert logged == set(trl)  # what a batch without desirable (or undesirable) rows leaves out, left out alike
     for key in trl:
         assert ours[key] == pytest.approx(trl[key], abs=1e-4, rel=1e-4), key
-    from safetensors.torch import load_file
-
     expected = load_file(str(tmp_path / "trl.json.grads.safetensors"))
     assert sorted(ours["grads"]) == sorted(expected) and expected
     for name, grad in expected.items():

@@ -33,8 +33,8 @@ def xla_step(
 ) -> dict:  # fmt: skip
     """One XlaPreferenceTrainer loss on the devices, the policy ``adapter`` on ``base``; the reference the base, or
     with ``start`` the frozen copy of that adapter TRL makes (the policy then moved to ``adapter``'s weights).
-    ``adapter`` a model directory: full-parameter DPO, the reference's log-probs precomputed by ``base``
-    (the model before training), the policy then moved to that model's weights."""
+    ``adapter`` a model directory: full-parameter DPO or KTO, the reference's log-probs precomputed by ``base``
+    (the model before training; KTO's KL rows then fixed), the policy then moved to that model's weights."""
     import torch
 
     from lowmem_tpu import data
@@ -70,7 +70,7 @@ def xla_step(
     from safetensors.torch import load_file
 
     if full:  # the reference as TRL computes it at the start, then the policy moves (a trained step's weights)
-        rows = trainer._with_reference(rows.select(range(pairs)), "train")
+        rows = trainer._with_reference(rows if kto else rows.select(range(pairs)), "train")
         assert trainer.precompute_ref_logps
         for key, value in load_file(str(adapter / "model.safetensors")).items():
             trainer.names.params[key].data.copy_(value.to(runtime.device))

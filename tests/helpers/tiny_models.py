@@ -67,6 +67,16 @@ METRICS = {  # the keys sft's _metrics writes, with plausible values
 }
 
 
+def moved_model(base: Path, out: Path) -> Path:
+    """A full model a step of training could have made from ``base``: every weight LoRA targets changed."""
+    from peft import PeftModel
+
+    adapter = make_adapter(base, out.with_name(out.name + "-adapter"), r=4, seed=3)
+    merged = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter).merge_and_unload()
+    merged.save_pretrained(out)
+    return out
+
+
 def train_tiny(tmp_path_factory, name: str, *overrides: str):
     """``sft`` on the embedded recipe in a fresh temporary output_dir: (recipe, result)."""
     from lowmem_tpu.run import run_training
