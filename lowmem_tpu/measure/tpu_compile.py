@@ -158,6 +158,9 @@ def trace_step(recipe: Recipe, device: Device, work: Path, timeout: float = 3600
         "CPU_NUM_DEVICES": str(n),
         "LOWMEM_TRACE_CPU_DEVICES": str(n),
         "JAX_PLATFORMS": "cpu",  # flash's kernel is traced by jax: never let it reach for a TPU
+        # A Pallas kernel's body carries its source locations: file names without their folders, so that
+        # the same program traced in another checkout or environment has the same key.
+        "JAX_HLO_SOURCE_FILE_CANONICALIZATION_REGEX": ".*/",
         "XLA_FLAGS": with_user_flags(TRACE_FLAGS.format(dir=dump)),
         "LOWMEM_DUMP_DIR": str(dump),
         # torch_xla wraps a program's arguments into one tuple past 3200 of them (a 70B model's step has

@@ -161,20 +161,17 @@ class XlaPreferenceTrainer(XlaTrainerMixin, DPOTrainer):
     def _kto_logps(self, model: torch.nn.Module, inputs: dict[str, Any], labels: torch.Tensor) -> tuple:
         """KTO's other passes, without gradients: the reference on the rows, the policy and the reference on the
         KL rows (none for apo_zero_unpaired), TRL's order and forms (``KTOTrainer._compute_kl_logps``)."""
-        kl_inputs = {name.removeprefix("KL_"): inputs[name] for name in KL_COLUMNS}
-        kl_labels = kl_inputs["input_ids"].masked_fill(kl_inputs["completion_mask"] == 0, -100)
+        kl_inputs, kl_labels = _kl_rows(inputs)
         with torch.no_grad():
             kl_policy = self._sequence_logps(model, kl_inputs, kl_labels) if self._with_kl else None
         if "ref_logps" in inputs:
             return inputs["ref_logps"], kl_policy, inputs.get("ref_KL_logps")
-        reference, kl_reference = self._kto_reference(model, inputs, labels)
+        reference, kl_reference = self._kto_reference(model, inputs, labels, kl_inputs, kl_labels)
         return reference, kl_policy, kl_reference
 
-    def _kto_reference(self, model: torch.nn.Module, inputs: dict[str, Any], labels: torch.Tensor) -> tuple:
-        """The reference on a KTO batch's rows and (with the KL term) on its KL rows."""
-        kl_inputs = {name.removeprefix("KL_"): inputs[name] for name in KL_COLUMNS}
-        kl_labels = kl_inputs["input_ids"].masked_fill(kl_inputs["completion_mask"] == 0, -100)
-        kl_reference = self._reference(model, kl_inputs, kl_labels) if self._with_kl else None
+    def _kto_reference(self, model: torch.nn.Module, inputs: dict, labels: torch.Tensor, *kl_rows: Any) -> tuple:
+        """The reference on a KTO batch's rows and (with the KL term) on its KL rows ``(inputs, labels)``."""
+        kl_reference = self._reference(model, *kl_rows) if self._with_kl else None
         return self._reference(model, inputs, labels), kl_reference
 
     def _sequence_logps(self, model: torch.nn.Module, inputs: dict[str, Any], labels: torch.Tensor) -> torch.Tensor:
@@ -190,6 +187,12 @@ class XlaPreferenceTrainer(XlaTrainerMixin, DPOTrainer):
             return torch.cat([inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]])
         with torch.no_grad(), as_reference(self.policy):
             return self._sequence_logps(model, inputs, labels)
+
+
+def _kl_rows(inputs: dict[str, Any]) -> tuple[dict[str, Any], torch.Tensor]:
+    """A KTO batch's KL rows as model inputs, and their labels (the completion's tokens scored)."""
+    kl_inputs = {name.removeprefix("KL_"): inputs[name] for name in KL_COLUMNS}
+    return kl_inputs, kl_inputs["input_ids"].masked_fill(kl_inputs["completion_mask"] == 0, -100)
 
 
 @contextlib.contextmanager
@@ -236,7 +239,8 @@ def reference_logps(trainer: XlaPreferenceTrainer, dataset: Any, name: str) -> l
         for index, batch in enumerate(trainer.get_eval_dataloader(filled), 1):
             labels = batch["input_ids"].masked_fill(batch["completion_mask"] == 0, -100)
             if trainer.method.rows == "unpaired":
-                columns = [c for c in trainer._kto_reference(model, batch, labels) if c is not None]
+                sums_of = trainer._kto_reference(model, batch, labels, *_kl_rows(batch))
+                columns = [column for column in sums_of if column is not None]
             else:  # the rows: every chosen, then every rejected
                 columns = trainer._reference(model, batch, labels).chunk(2)
             sums.append(torch.stack(columns).cpu())
