@@ -56,10 +56,10 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="module")
 def stand_ins(tmp_path_factory):
     """Each family's stand-in directory (``families.make_family``): test_families and test_family_attention."""
-    from families import NAMES, make_family
+    from families import ALL_NAMES, make_family
 
     root = tmp_path_factory.mktemp("families")
-    return {name: make_family(root / name, name) for name in (*NAMES, "gemma3_multimodal")}
+    return {name: make_family(root / name, name) for name in ALL_NAMES}
 
 
 @pytest.fixture(scope="module")

@@ -84,16 +84,17 @@ def parameters(s: Shape, st: Setting) -> list[Tensor]:
     if not s.tied:
         head = base and st.quantize_lm_head
         out += quantized_weight(s.vocab, s.hidden, st) if head else [Tensor((s.vocab, s.hidden), size, full)]
-    for name, (o, i) in linears(s).items():
-        bias = s.attention_bias if name.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else s.mlp_bias
-        weight = quantized_weight(o, i, st) if base else [Tensor((o, i), size, full)]
-        layer = weight + ([Tensor((o,), size, full)] if bias else [])
-        if st.lora and name in st.targets:
-            adapter = DTYPE_BYTES[st.adapter_dtype]
-            layer += [Tensor((st.rank, i), adapter, True), Tensor((o, st.rank), adapter, True)]
-        out += layer * s.layers
+    for projections, count in [(p, 1) for p in s.layer_linears] or [(linears(s), s.layers)]:
+        for name, (o, i) in projections.items():
+            bias = s.attention_bias if name.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else s.mlp_bias
+            weight = quantized_weight(o, i, st) if base else [Tensor((o, i), size, full)]
+            layer = weight + ([Tensor((o,), size, full)] if bias else [])
+            if st.lora and name in st.targets:
+                adapter = DTYPE_BYTES[st.adapter_dtype]
+                layer += [Tensor((st.rank, i), adapter, True), Tensor((o, st.rank), adapter, True)]
+            out += layer * count
     out += [Tensor((s.hidden,), size, full)] * (2 * s.layers)
-    return out
+    return out + [Tensor(shape, size, full) for shape in s.other_weights]
 
 
 def shard_numel(shape: tuple[int, ...], strategy: str, devices: int) -> int:

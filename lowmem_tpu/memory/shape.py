@@ -31,6 +31,10 @@ class Shape:
     # windows, soft-capped scores: what flash or packed masks rule out
     attention: Attention = field(default_factory=Attention)
     chunked_loss_refusal: str | None = None  # why the chunked loss cannot compute this model's logits
+    # Where layers differ (Gemma 4): each layer's projections, and the weights outside them and outside the
+    # embedding, the LM head and two norms per layer (per-layer embeddings, Gemma's extra norms).
+    layer_linears: tuple[dict[str, tuple[int, int]], ...] = ()
+    other_weights: tuple[tuple[int, ...], ...] = ()
 
 
 def shape_of(config: Any) -> Shape:
@@ -43,6 +47,8 @@ def shape_of(config: Any) -> Shape:
             f"model.name_or_path: a {kind} config has no {', '.join(missing)}; the planner needs a Llama-like model"
         )
     heads = config.num_attention_heads
+    if getattr(config, "per_layer_config", None) is not None:
+        return _per_layer_shape(outer, config)
     return Shape(
         hidden=config.hidden_size,
         intermediate=config.intermediate_size,
@@ -59,8 +65,59 @@ def shape_of(config: Any) -> Shape:
     )
 
 
+def _per_layer_shape(outer: Any, config: Any) -> Shape:
+    """Gemma 4's layers as transformers builds them (``per_layer_config``, ``kv_sharing_modes``): full layers'
+    wider heads (and with ``attention_k_eq_v`` their own KV heads and no v_proj), no k/v projections on the
+    layers that reuse earlier ones' K/V (their MLP twice as wide with ``use_double_wide_mlp``), per-layer
+    embeddings (PLE). The scalar fields are the widest layer's: what one layer's activations can take."""
+    h, heads, n = config.hidden_size, config.num_attention_heads, config.num_hidden_layers
+    modes = getattr(config, "kv_sharing_modes", None) or [None] * n
+    ple = getattr(config, "hidden_size_per_layer_input", 0) or 0
+    layers, other = [], []
+    for i in range(n):
+        layer = config.per_layer_config[i]
+        q, kv = heads * layer.head_dim, layer.num_key_value_heads * layer.head_dim
+        full = config.layer_types[i] == "full_attention"
+        wide = 2 if getattr(config, "use_double_wide_mlp", False) and modes[i] == "reuse" else 1
+        inner = layer.intermediate_size * wide
+        projections = {"q_proj": (q, h)}
+        if modes[i] != "reuse":
+            projections["k_proj"] = (kv, h)
+            if not (getattr(config, "attention_k_eq_v", False) and full):
+                projections["v_proj"] = (kv, h)
+            other += [(layer.head_dim,)]  # k_norm (v_norm has no weight)
+        projections |= {"o_proj": (h, q), "gate_proj": (inner, h), "up_proj": (inner, h), "down_proj": (h, inner)}
+        if ple:
+            projections |= {"per_layer_input_gate": (ple, h), "per_layer_projection": (h, ple)}
+            other += [(h,)]  # post_per_layer_input_norm
+        other += [(layer.head_dim,), (h,), (h,)]  # q_norm, pre- and post-feedforward norms
+        layers.append(projections)
+    if ple:
+        vocab = getattr(config, "vocab_size_per_layer_input", None) or config.vocab_size
+        other += [(vocab, n * ple), (n * ple, h), (ple,)]  # the table, its model projection and norm
+    widest = max(layers, key=lambda p: sum(o * i for o, i in p.values()))
+    head_dim = max(config.per_layer_config[i].head_dim for i in range(n))
+    return Shape(
+        hidden=h,
+        intermediate=widest["gate_proj"][0],
+        layers=n,
+        heads=heads,
+        kv_heads=max(config.per_layer_config[i].num_key_value_heads for i in range(n)),
+        head_dim=head_dim,
+        vocab=config.vocab_size,
+        tied=bool(getattr(config, "tie_word_embeddings", getattr(outer, "tie_word_embeddings", False))),
+        attention_bias=bool(getattr(config, "attention_bias", False)),
+        attention=attention_of(outer),
+        chunked_loss_refusal=chunked_loss_refusal(outer),
+        layer_linears=tuple(layers),
+        other_weights=tuple(other),
+    )
+
+
 def linears(s: Shape) -> dict[str, tuple[int, int]]:
-    """(out, in) of each projection of one decoder layer."""
+    """(out, in) of each projection of one decoder layer (where layers differ, the widest)."""
+    if s.layer_linears:
+        return max(s.layer_linears, key=lambda p: sum(o * i for o, i in p.values()))
     q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
     return {
         "q_proj": (q, s.hidden),

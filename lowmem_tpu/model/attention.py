@@ -154,6 +154,20 @@ def padding_mask(*args: Any, attention_mask: torch.Tensor | None = None, kv_leng
     return None if attention_mask is None else attention_mask[:, -kv_length:]
 
 
+def keep_kv_shared_inputs_whole(model: Any) -> None:
+    """Gemma 4 cuts its inputs to the last ``logits_to_keep`` positions before the layers that reuse earlier
+    layers' K/V (``_maybe_slice_kv_shared_inputs``), indexing each mask as ``[batch, 1, queries, keys]``: the
+    ``[batch, keys]`` mask chunked and flash take (``padding_mask``) raises an IndexError there. Training keeps
+    every position (``logits_to_keep`` 0) and so does this model: the cut is skipped."""
+    for module in model.modules():
+        if hasattr(type(module), "_maybe_slice_kv_shared_inputs"):
+            module._maybe_slice_kv_shared_inputs = _whole
+
+
+def _whole(hidden: Any, per_layer: Any, positions: Any, masks: Any, *args: Any, **kwargs: Any) -> tuple:
+    return hidden, per_layer, positions, masks
+
+
 def packed_mask(segments: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """[batch, 1, length, length] additive mask for eager/sdpa on packed rows: causal, within a sample.
 

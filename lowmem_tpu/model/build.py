@@ -90,14 +90,18 @@ def require_config(recipe: Recipe) -> Any:
 
 
 PLANNED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+# Fields of layers that differ (Gemma 4): transformers' config class derives each layer's shape from them.
+PER_LAYER = ("global_head_dim", "num_kv_shared_layers", "hidden_size_per_layer_input")
 
 
 def _with_class_defaults(raw: dict[str, Any]) -> Any:
     """A config.json as attributes; one that leaves out what the planner reads goes through its transformers
     config class, so each value left out takes the class default (Gemma leaves out ``tie_word_embeddings``,
-    true; Gemma 3 4B+ most of its ``text_config``). transformers is imported only then."""
+    true; Gemma 3 4B+ most of its ``text_config``), and so does one whose layers differ (``PER_LAYER``).
+    transformers is imported only then."""
     text = raw.get("text_config", raw)
-    if all(key in text for key in PLANNED) and "tie_word_embeddings" in {**raw, **text}:
+    uniform = not any(key in text for key in PER_LAYER)
+    if uniform and all(key in text for key in PLANNED) and "tie_word_embeddings" in {**raw, **text}:
         return SimpleNamespace(**raw)
     from transformers import AutoConfig
 
@@ -134,7 +138,16 @@ def meta_model(config: Any, cfg: ModelSection | None = None) -> Any:
         from lowmem_tpu.model.quantize import QuantSpec, swap_linears
 
         swap_linears(model, QuantSpec.of(cfg), cfg.quantize_lm_head, torch_dtype(cfg.dtype))
+    return _for_training(model, cfg)
+
+
+def _for_training(model: Any, cfg: ModelSection | None) -> Any:
+    """No KV cache; with chunked or flash attention, Gemma 4's inputs kept whole (``keep_kv_shared_inputs_whole``)."""
     model.config.use_cache = False
+    if cfg is not None and cfg.attn_implementation in ("chunked", "flash"):
+        from lowmem_tpu.model.attention import keep_kv_shared_inputs_whole
+
+        keep_kv_shared_inputs_whole(model)
     return model
 
 
@@ -160,8 +173,7 @@ def build_base_model(cfg: ModelSection, seed: int = 0, weights: Weights | None =
         model = AutoModelForCausalLM.from_config(
             load_config(cfg), dtype=torch_dtype(cfg.dtype), attn_implementation=attention_name(cfg)
         )
-        model.config.use_cache = False
-        return model
+        return _for_training(model, cfg)
     return _from_checkpoint(cfg)
 
 

@@ -113,6 +113,8 @@ def wrap_model(model: nn.Module, cfg: ShardingSection, runtime: Runtime) -> nn.M
     from torch_xla.distributed.fsdp.wrap import transformer_auto_wrap_policy
     from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel as FSDPv2
 
+    from lowmem_tpu.xla.shared_kv import checkpoint_sharing_kv
+
     gather_quantized(model, runtime.mesh)
     use_matmul_rotation(model)  # rotary embeddings without lane shuffles (model.rope)
     layer = layer_class(model, cfg.layer_class)
@@ -127,7 +129,7 @@ def wrap_model(model: nn.Module, cfg: ShardingSection, runtime: Runtime) -> nn.M
 
     def wrap_layer(module: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
         if every and next(wrapped) % every == 0:
-            module = checkpoint_module(module)
+            module = checkpoint_sharing_kv(module, checkpoint_module)  # Gemma 4's shared K/V as tensors
         return FSDPv2(module, *args, **kwargs)
 
     if every and hasattr(model, "enable_input_require_grads"):

@@ -198,13 +198,71 @@ GEMMA3_MULTIMODAL = {
         "vision_use_head": False,
     },
 }
+# Gemma 4 (E2B's layout, shrunk): the multimodal checkpoint; layers of two kinds (sliding: 16-wide heads, 2 KV
+# heads; full: 32-wide heads, proportional rope), the last two reusing earlier layers' K/V (the double-wide
+# MLP there), per-layer embeddings (PLE), final soft-capping.
+GEMMA4 = {
+    "architectures": ["Gemma4ForConditionalGeneration"],
+    "model_type": "gemma4",
+    "audio_token_id": 601,
+    "boi_token_id": 602,
+    "eoi_token_id": 603,
+    "eos_token_id": [1, 106],
+    "image_token_id": 600,
+    "tie_word_embeddings": True,
+    "text_config": {
+        "model_type": "gemma4_text",
+        **SMALL,
+        "num_hidden_layers": 6,
+        "vocab_size": 640,
+        "attention_k_eq_v": False,
+        "bos_token_id": 2,
+        "eos_token_id": 1,
+        "final_logit_softcapping": 30.0,
+        "global_head_dim": 32,
+        "head_dim": 16,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "hidden_size_per_layer_input": 16,
+        "layer_types": ["sliding_attention", "sliding_attention", "full_attention"] * 2,
+        "max_position_embeddings": 131072,
+        "num_attention_heads": 4,
+        "num_global_key_value_heads": None,
+        "num_key_value_heads": 2,
+        "num_kv_shared_layers": 2,
+        "pad_token_id": 0,
+        "rms_norm_eps": 1e-06,
+        "rope_parameters": {
+            "full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1000000.0, "rope_type": "proportional"},
+            "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"},
+        },
+        "sliding_window": WINDOW,
+        "use_double_wide_mlp": True,
+        "vocab_size_per_layer_input": 640,
+    },
+    "vision_config": {
+        "model_type": "gemma4_vision",
+        "global_head_dim": 16,
+        "head_dim": 16,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_attention_heads": 2,
+        "num_hidden_layers": 1,
+        "num_key_value_heads": 2,
+        "patch_size": 8,
+        "pooling_kernel_size": 2,
+        "position_embedding_size": 64,
+    },
+    "audio_config": None,
+}
 NAMES = tuple(FAMILIES)
+WRAPPED = {"gemma3_multimodal": GEMMA3_MULTIMODAL, "gemma4": GEMMA4}  # the Hub's multimodal checkpoints
+ALL_NAMES = (*NAMES, *WRAPPED)
 
 
 def family_config(name: str) -> dict[str, Any]:
-    """The family's config.json, shrunk (``gemma3_multimodal``: the Hub's Gemma 3 4B+ layout)."""
-    if name == "gemma3_multimodal":
-        return json.loads(json.dumps(GEMMA3_MULTIMODAL))
+    """The family's config.json, shrunk (the multimodal ones in the Hub's layout)."""
+    if name in WRAPPED:
+        return json.loads(json.dumps(WRAPPED[name]))
     config = {**FAMILIES[name], **SMALL}
     if name in ("phi4", "gemma2", "gemma3"):
         config["vocab_size"] = 640  # embeddings with more rows than the tokenizer has tokens
@@ -240,4 +298,4 @@ if __name__ == "__main__":
     if len(sys.argv) == 3:
         print(make_family(Path(sys.argv[2]), sys.argv[1]))
     else:
-        print(json.dumps({name: END_OF_TURN.get(name) for name in (*NAMES, "gemma3_multimodal")}))
+        print(json.dumps({name: END_OF_TURN.get(name) for name in ALL_NAMES}))

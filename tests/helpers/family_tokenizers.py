@@ -133,7 +133,7 @@ SPECS = {
         pad="<|dummy_87|>",
     ),
 }
-SPECS["gemma3_multimodal"] = SPECS["gemma3"]
+SPECS["gemma3_multimodal"] = SPECS["gemma4"] = SPECS["gemma3"]
 # What each family's template writes after an assistant message's content (the turn's trained end).
 END_OF_TURN = {
     "llama3": "<|eot_id|>",
@@ -145,7 +145,7 @@ END_OF_TURN = {
     "phi3": "<|end|>\n",
     "phi4": "<|im_end|>",
 }
-END_OF_TURN["gemma3_multimodal"] = END_OF_TURN["gemma3"]
+END_OF_TURN["gemma3_multimodal"] = END_OF_TURN["gemma4"] = END_OF_TURN["gemma3"]
 
 
 def _fill(special: dict[int, str], first: int, last: int) -> list[str]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from families import NAMES, WINDOW
+from families import ALL_NAMES, WINDOW
 from transformers import AutoModelForCausalLM
 
 from lowmem_tpu.config import ModelSection, load_recipe
@@ -16,7 +16,7 @@ from lowmem_tpu.errors import UserError
 from lowmem_tpu.model import build_base_model, layer_class
 from lowmem_tpu.model.architecture import check_model, lora_targets
 
-ALL = (*NAMES, "gemma3_multimodal")
+ALL = ALL_NAMES
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -58,6 +58,7 @@ LAYERS = {
     "phi3": "Phi3DecoderLayer",
     "phi4": "Phi3DecoderLayer",
     "gemma3_multimodal": "Gemma3DecoderLayer",  # not SiglipEncoderLayer, which _no_split_modules also names
+    "gemma4": "Gemma4TextDecoderLayer",
 }
 
 
@@ -85,13 +86,12 @@ def test_default_lora_targets_follow_the_projections(stand_ins, name, expected):
     assert adapted == set(expected.split())
 
 
-def test_lora_on_the_multimodal_gemma_adapts_the_text_decoder_only(stand_ins):
+@pytest.mark.parametrize("name", ["gemma3_multimodal", "gemma4"])
+def test_lora_on_the_multimodal_gemma_adapts_the_text_decoder_only(stand_ins, name):
     from lowmem_tpu.model import apply_lora
 
     for targets in ("all-linear", "[q_proj,v_proj]"):
-        recipe = load_recipe(
-            None, [f"model.name_or_path={stand_ins['gemma3_multimodal']}", f"lora.target_modules={targets}"]
-        )
+        recipe = load_recipe(None, [f"model.name_or_path={stand_ins[name]}", f"lora.target_modules={targets}"])
         model = apply_lora(build_base_model(recipe.model, weights="random"), recipe)
         adapted = [n for n, _ in model.named_parameters() if "lora_A" in n]
         assert adapted and all(".language_model.layers." in n for n in adapted), targets

@@ -9,13 +9,14 @@ import sys
 
 import pytest
 import torch
-from families import NAMES
+from families import ALL_NAMES
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
+from lowmem_tpu.model.architecture import lora_targets
 from lowmem_tpu.model.rope import _ORIGINAL, by_matmul, rotation, use_matmul_rotation
 
-ALL = (*NAMES, "gemma3_multimodal")
+ALL = ALL_NAMES
 
 
 def _standard(x: torch.Tensor) -> torch.Tensor:
@@ -59,7 +60,8 @@ def test_lane_aligned_halves_and_other_dtypes_keep_the_models_own_path():
 @pytest.mark.parametrize("name", ALL)
 def test_every_family_computes_the_same_logits_with_the_matmul_rotation(stand_ins, name, restore_rotations):
     base = AutoModelForCausalLM.from_pretrained(stand_ins[name], dtype=torch.bfloat16)
-    model = get_peft_model(base, LoraConfig(r=4, target_modules=["o_proj"])).eval()
+    targets = lora_targets(base, ["o_proj"])  # the text decoder's (Gemma 4's vision tower has o_proj too)
+    model = get_peft_model(base, LoraConfig(r=4, target_modules=targets)).eval()
     ids = torch.randint(3, 500, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         reference = model(input_ids=ids).logits
