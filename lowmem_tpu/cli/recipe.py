@@ -164,6 +164,7 @@ FAMILIES = {
     "qwen3": "Qwen 3",
     "gemma2": "Gemma 2",
     "gemma3_text": "Gemma 3",
+    "gemma4_text": "Gemma 4",
     "mistral": "Mistral",
     "phi3": "Phi-3 / Phi-4",
 }

@@ -10,6 +10,10 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
+# Set on a multimodal config by model.build.require_config: its vision and audio towers' parameters, which the
+# planner (memory.shape) counts as frozen weights beside a text step.
+TOWERS = "lowmem_tower_parameters"
+
 
 def text_config(config: Any) -> Any:
     """The language model's part of a config (a multimodal config's ``text_config``, a dict when read as JSON)."""

@@ -11,6 +11,7 @@ compiles of the same recipe gives its figures at the recipe's layer count. On Op
 from __future__ import annotations
 
 import json
+import math
 import sys
 import tempfile
 from dataclasses import fields, replace
@@ -19,6 +20,7 @@ from typing import Any
 
 from lowmem_tpu.config import Recipe, with_overrides
 from lowmem_tpu.config.devices import Device
+from lowmem_tpu.config.features import TOWERS
 from lowmem_tpu.errors import UserError
 from lowmem_tpu.measure.tpu_compile import (
     CompileTooLong,
@@ -46,31 +48,74 @@ def layer_points(recipe: Recipe) -> tuple[int, int]:
     (``every_K``, K > 2), so that the layers between the two hold one recomputed layer in K as the whole model's
     do (at 2 and 4 layers with every_4 the two added layers are both kept: the line then puts the whole step
     over what it holds and faster than it runs)."""
+    text = _text(_config(recipe))
+    if text.get("num_kv_shared_layers"):
+        return _shared_kv_points(text)
     every = recipe.sharding.checkpoint_every
     return (every, 2 * every) if every > 2 else LAYERS
 
 
+def _shared_kv_points(text: dict[str, Any]) -> tuple[int, int]:
+    """Gemma 4's cut: its last ``num_kv_shared_layers`` reuse earlier layers' K/V (no k/v projections, a
+    wider MLP), so each cut keeps the whole model's share of them (E2B: 20 of 35 layers; cut at 14 and 28,
+    8 and 16 reusing), and before them a producer of every layer kind they read."""
+    total, shared = text["num_hidden_layers"], text["num_kv_shared_layers"]
+    unit = total // math.gcd(total, shared)
+    for low in range(unit, total // 2 + 1, unit):
+        if all(_kv_valid(text, n) for n in (low, 2 * low)):
+            return low, 2 * low
+    return total, total  # no smaller cut keeps the layers' mix: compiled whole
+
+
+def _kv_valid(text: dict[str, Any], layers: int) -> bool:
+    kinds = text.get("layer_types") or []
+    reused = layers * text["num_kv_shared_layers"] // text["num_hidden_layers"]
+    producers = set(kinds[: layers - reused])
+    return not reused or set(kinds[layers - reused : layers]) <= producers
+
+
+def _text(config: dict[str, Any]) -> dict[str, Any]:
+    return config.get("text_config", config)
+
+
 def layers_of(recipe: Recipe) -> int:
-    config = _config(recipe)
-    return int(config.get("text_config", config)["num_hidden_layers"])
+    return int(_text(_config(recipe))["num_hidden_layers"])
 
 
 def cut(recipe: Recipe, layers: int, work: Path) -> Recipe:
     """The recipe on a copy of its model's config with ``layers`` decoder layers (a config only: no weights).
 
     A multimodal config's text decoder is cut; a per-layer attention list (Gemma's ``layer_types``) keeps
-    its first ``layers`` entries.
+    its first ``layers`` entries, Gemma 4's shared-K/V layers their share (``_shared_kv_points``).
     """
     config = _config(recipe)
-    text = dict(config.get("text_config", config))
+    text = dict(_text(config))
+    if text.get("num_kv_shared_layers"):  # the cut keeps the whole model's share of reusing layers
+        text["num_kv_shared_layers"] = layers * text["num_kv_shared_layers"] // text["num_hidden_layers"]
+    if isinstance(text.get("per_layer_config"), dict):  # a saved config's per-layer overrides, by index
+        text["per_layer_config"] = {k: v for k, v in text["per_layer_config"].items() if int(k) < layers}
     text["num_hidden_layers"] = layers
     if isinstance(text.get("layer_types"), list):
         text["layer_types"] = text["layer_types"][:layers]
+        if text.get("num_kv_shared_layers"):
+            _last_layer_full(text)
     config = config | {"text_config": text} if "text_config" in config else text
     where = work / f"layers-{layers}"
     where.mkdir(parents=True, exist_ok=True)
     (where / "config.json").write_text(json.dumps(config))
     return with_overrides(recipe, [f"model.name_or_path={where}"])
+
+
+def _last_layer_full(text: dict[str, Any]) -> None:
+    """Gemma 4's last layer is a full-attention one (its config class makes it so): the cut's too, with the
+    per-layer settings of the full layers."""
+    kinds, per = text["layer_types"], text.get("per_layer_config")
+    if kinds[-1] == "full_attention":
+        return
+    kinds[-1] = "full_attention"
+    if isinstance(per, dict) and per:
+        full = next(k for k in per if kinds[int(k)] == "full_attention" and int(k) < len(kinds) - 1)
+        per[str(len(kinds) - 1).zfill(len(full))] = per[full]
 
 
 def trace_cut(recipe: Recipe, device: Device, layers: int, work: Path, timeout: float) -> TracedStep:
@@ -175,4 +220,5 @@ def _config(recipe: Recipe) -> dict[str, Any]:
     from lowmem_tpu.model.build import require_config
 
     config = require_config(recipe)
-    return config.to_dict() if hasattr(config, "to_dict") else dict(vars(config))
+    raw = config.to_dict() if hasattr(config, "to_dict") else dict(vars(config))
+    return {key: value for key, value in raw.items() if key != TOWERS}  # ours, not the model's

@@ -94,7 +94,8 @@ def parameters(s: Shape, st: Setting) -> list[Tensor]:
                 layer += [Tensor((st.rank, i), adapter, True), Tensor((o, st.rank), adapter, True)]
             out += layer * count
     out += [Tensor((s.hidden,), size, full)] * (2 * s.layers)
-    return out + [Tensor(shape, size, full) for shape in s.other_weights]
+    towers = [Tensor((s.towers,), size, False)] if s.towers else []  # frozen even in full fine-tuning
+    return out + [Tensor(shape, size, full) for shape in s.other_weights] + towers
 
 
 def shard_numel(shape: tuple[int, ...], strategy: str, devices: int) -> int:

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from lowmem_tpu.config import Recipe
-from lowmem_tpu.config.features import Attention, attention_of, chunked_loss_refusal, text_config
+from lowmem_tpu.config.features import TOWERS, Attention, attention_of, chunked_loss_refusal, text_config
 from lowmem_tpu.config.methods import METHODS
 from lowmem_tpu.config.model_fields import LORA_TARGETS, QUANT_BITS
 from lowmem_tpu.config.rules import batch_split_problem
@@ -35,6 +35,8 @@ class Shape:
     # embedding, the LM head and two norms per layer (per-layer embeddings, Gemma's extra norms).
     layer_linears: tuple[dict[str, tuple[int, int]], ...] = ()
     other_weights: tuple[tuple[int, ...], ...] = ()
+    towers: int = 0  # parameters outside the text decoder (a multimodal checkpoint's vision and audio towers)
+    capped_logits: bool = False  # final_logit_softcapping: tanh(logits / cap) * cap before the loss
 
 
 def shape_of(config: Any) -> Shape:
@@ -46,10 +48,14 @@ def shape_of(config: Any) -> Shape:
         raise UserError(
             f"model.name_or_path: a {kind} config has no {', '.join(missing)}; the planner needs a Llama-like model"
         )
-    heads = config.num_attention_heads
+    capped = bool(getattr(config, "final_logit_softcapping", None))
+    # a multimodal checkpoint's towers, counted by the caller that read the config (model.build.require_config)
+    extra = {"towers": getattr(outer, TOWERS, 0), "capped_logits": capped}
     if getattr(config, "per_layer_config", None) is not None:
-        return _per_layer_shape(outer, config)
+        return replace(_per_layer_shape(outer, config), **extra)
+    heads = config.num_attention_heads
     return Shape(
+        **extra,
         hidden=config.hidden_size,
         intermediate=config.intermediate_size,
         layers=config.num_hidden_layers,

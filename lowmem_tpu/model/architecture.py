@@ -21,6 +21,12 @@ def check_model(recipe: Recipe) -> str:
     if positions and recipe.data.max_length > positions:
         raise UserError(f"data.max_length: {recipe.data.max_length} exceeds the model's {positions} positions")
     check_attention(recipe, config)
+    if recipe.sharding.scan_layers and getattr(text_config(config), "per_layer_config", None) is not None:
+        raise UserError(
+            "sharding.scan_layers: this model's layers differ in shape (Gemma 4: full and sliding layers' heads, "
+            "layers that reuse others' K/V), and a scan runs one compiled layer for all of them; set "
+            "sharding.scan_layers: false"
+        )
     if recipe.train.chunked_loss and (reason := chunked_loss_refusal(config)):
         raise UserError(reason)
     if recipe.model.quantize != "none":
@@ -154,6 +160,9 @@ def flops_per_token(
     # in ``total``: then nothing is taken off.
     tied = bool(getattr(config, "tie_word_embeddings", False))
     embedding = 0 if tied else config.vocab_size * hidden
+    # Gemma 4's per-layer embeddings (PLE): a lookup too, a table of [vocab, layers x its width]
+    ple = getattr(config, "hidden_size_per_layer_input", 0) or 0
+    embedding += ple * layers * (getattr(config, "vocab_size_per_layer_input", None) or config.vocab_size)
     dense = total - embedding
     trained = trainable - (0 if lora else embedding)
     attention = 4 * layers * hidden * seq_len

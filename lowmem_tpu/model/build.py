@@ -77,7 +77,7 @@ def require_config(recipe: Recipe) -> Any:
     local = Path(source).expanduser() / "config.json"
     path = local if local.is_file() else shipped_config_path(source)
     if path is not None:
-        return _with_class_defaults(json.loads(path.read_text()))
+        return _with_towers(_with_class_defaults(json.loads(path.read_text())))
     config = load_config(recipe.model, offline=True)
     if config is None:
         name = recipe.model.name_or_path
@@ -86,6 +86,19 @@ def require_config(recipe: Recipe) -> Any:
             f"Give a local directory that holds its config.json (model.name_or_path=/path/to/dir), or save its "
             f"config.json as {CONFIGS / (name.replace('/', '__') + '.json')}"
         )
+    return _with_towers(config)
+
+
+def _with_towers(config: Any) -> Any:
+    """``config`` with the parameter count of a multimodal checkpoint's vision and audio towers set (the
+    planner's ``TOWERS``: frozen weights in HBM beside a text step), counted on the meta device."""
+    from lowmem_tpu.config.features import TOWERS
+
+    if not any(getattr(config, name, None) for name in ("vision_config", "audio_config")):
+        return config
+    model = meta_model(config if hasattr(config, "to_dict") else _as_class_config(vars(config)))
+    text = {id(p) for module in (model.get_decoder(), model.lm_head) for p in module.parameters()}
+    setattr(config, TOWERS, sum(p.numel() for p in model.parameters() if id(p) not in text))
     return config
 
 
@@ -103,13 +116,17 @@ def _with_class_defaults(raw: dict[str, Any]) -> Any:
     uniform = not any(key in text for key in PER_LAYER)
     if uniform and all(key in text for key in PLANNED) and "tie_word_embeddings" in {**raw, **text}:
         return SimpleNamespace(**raw)
-    from transformers import AutoConfig
 
-    fields = {key: value for key, value in raw.items() if key != "model_type"}
     try:
-        return AutoConfig.for_model(raw["model_type"], **fields)
+        return _as_class_config(raw)
     except (KeyError, ValueError, TypeError):
         return SimpleNamespace(**raw)
+
+
+def _as_class_config(raw: dict[str, Any]) -> Any:
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(raw["model_type"], **{key: value for key, value in raw.items() if key != "model_type"})
 
 
 def torch_dtype(name: str) -> Any:

@@ -238,3 +238,34 @@ def test_lora_dtype_model_puts_every_adapter_in_the_bases_dtype_with_fp32_master
     model = apply_lora(build_base_model(recipe.model, weights="random"), recipe)
     adapters = {p.dtype for n, p in model.named_parameters() if ".lora_" in n}
     assert adapters == {torch.bfloat16} and uses_master_weights(recipe)  # a quantized base's too
+
+
+def test_gemma4s_layers_are_planned_one_by_one_and_cut_with_their_share_of_kv_reuse(stand_ins, tmp_path):
+    """Gemma 4's layers differ (full layers' wider heads, no k/v projections and a double-wide MLP where K/V is
+    reused, per-layer embeddings): the planner's count equals the meta model's (towers included), the
+    stand-in's and E2B's; the
+    TPU compile's cut keeps E2B's share of reusing layers (14 and 28 of 35) and builds; a scan is refused."""
+
+    from lowmem_tpu.measure.tpu_layers import cut, layer_points
+    from lowmem_tpu.memory.plan import parameters
+    from lowmem_tpu.memory.shape import setting_of, shape_of
+    from lowmem_tpu.model.build import meta_model, require_config
+
+    full = setting_of(load_recipe(None, ["lora.enabled=false", "train.global_batch_size=8"]), 1)
+    for name, text in ((stand_ins["gemma4"], None), ("google/gemma-4-E2B-it", 4_628_569_344)):
+        config = require_config(load_recipe(None, [f"model.name_or_path={name}"]))  # as the commands read it
+        model = meta_model(config)  # the towers planned as frozen weights beside the decoder
+        decoder = sum(p.numel() for p in model.model.language_model.parameters())
+        planned = sum(t.parameters for t in parameters(shape_of(config), full))
+        assert planned == sum(p.numel() for p in model.parameters()) and decoder == (text or decoder)
+    recipe = load_recipe("recipes/gemma4_e2b_lora_v5e1.yaml", [])
+    assert layer_points(recipe) == (14, 28)
+    for layers, reused in ((14, 8), (28, 16)):
+        small = require_config(cut(recipe, layers, tmp_path))
+        text = small.text_config
+        assert (text.num_hidden_layers, text.num_kv_shared_layers) == (layers, reused)
+        model = meta_model(small)
+        assert sum(isinstance(m, layer_class(model, None)) for m in model.modules()) == layers
+    scanned = load_recipe(None, [f"model.name_or_path={stand_ins['gemma4']}", "sharding.scan_layers=true"])
+    with pytest.raises(UserError, match="layers differ in shape"):
+        check_model(scanned)
