@@ -25,6 +25,17 @@ def text_config(config: Any) -> Any:
     return text
 
 
+def layers_differ(config: Any) -> bool:
+    """Whether the text decoder's layers differ in shape (Gemma 4: per-layer head sizes, layers that reuse others'
+    K/V, per-layer embeddings): transformers' heterogeneous configs, and any config that shares K/V."""
+    text = text_config(config)
+    return bool(
+        getattr(text, "is_heterogeneous", False)
+        or getattr(text, "num_kv_shared_layers", 0)
+        or getattr(text, "hidden_size_per_layer_input", 0)
+    )
+
+
 def sliding_window(config: Any) -> int | None:
     """Keys a query of a windowed layer sees (itself included), or None when no layer is windowed.
 

@@ -6,7 +6,14 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from lowmem_tpu.config import Recipe
-from lowmem_tpu.config.features import TOWERS, Attention, attention_of, chunked_loss_refusal, text_config
+from lowmem_tpu.config.features import (
+    TOWERS,
+    Attention,
+    attention_of,
+    chunked_loss_refusal,
+    layers_differ,
+    text_config,
+)
 from lowmem_tpu.config.methods import METHODS
 from lowmem_tpu.config.model_fields import LORA_TARGETS, QUANT_BITS
 from lowmem_tpu.config.rules import batch_split_problem
@@ -51,7 +58,7 @@ def shape_of(config: Any) -> Shape:
     capped = bool(getattr(config, "final_logit_softcapping", None))
     # a multimodal checkpoint's towers, counted by the caller that read the config (model.build.require_config)
     extra = {"towers": getattr(outer, TOWERS, 0), "capped_logits": capped}
-    if getattr(config, "per_layer_config", None) is not None:
+    if layers_differ(config):
         return replace(_per_layer_shape(outer, config), **extra)
     heads = config.num_attention_heads
     return Shape(

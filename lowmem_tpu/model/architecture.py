@@ -6,7 +6,7 @@ import re
 from typing import Any
 
 from lowmem_tpu.config import Recipe
-from lowmem_tpu.config.features import attention_of, chunked_loss_refusal, text_config
+from lowmem_tpu.config.features import attention_of, chunked_loss_refusal, layers_differ, text_config
 from lowmem_tpu.config.model_fields import LORA_TARGETS
 from lowmem_tpu.errors import UserError
 from lowmem_tpu.model.build import load_config, meta_model
@@ -21,7 +21,7 @@ def check_model(recipe: Recipe) -> str:
     if positions and recipe.data.max_length > positions:
         raise UserError(f"data.max_length: {recipe.data.max_length} exceeds the model's {positions} positions")
     check_attention(recipe, config)
-    if recipe.sharding.scan_layers and getattr(text_config(config), "per_layer_config", None) is not None:
+    if recipe.sharding.scan_layers and layers_differ(config):
         raise UserError(
             "sharding.scan_layers: this model's layers differ in shape (Gemma 4: full and sliding layers' heads, "
             "layers that reuse others' K/V), and a scan runs one compiled layer for all of them; set "

@@ -229,10 +229,11 @@ def reference_logps(trainer: XlaPreferenceTrainer, dataset: Any, name: str) -> l
     import time
 
     n, micro = len(dataset), trainer.args.per_device_eval_batch_size
+    unit = "rows" if trainer.method.rows == "unpaired" else "pairs"
     filled = dataset.select([i % n for i in range(n + (-n) % micro)])
     every = math.ceil(len(filled) // micro / 10)
     model, started, sums = trainer.fsdp_model, time.perf_counter(), []
-    say(f"reference log-probabilities of {n:,} {name} examples: one forward pass before training")
+    say(f"reference log-probabilities of {n:,} {name} {unit}: one forward pass before training")
     was_training = model.training
     model.eval()
     with torch.no_grad():
@@ -245,9 +246,9 @@ def reference_logps(trainer: XlaPreferenceTrainer, dataset: Any, name: str) -> l
                 columns = trainer._reference(model, batch, labels).chunk(2)
             sums.append(torch.stack(columns).cpu())
             if index % every == 0:
-                say(f"  {min(index * micro, n):,}/{n:,} {name} examples ({time.perf_counter() - started:.0f} s)")
+                say(f"  {min(index * micro, n):,}/{n:,} {name} {unit} ({time.perf_counter() - started:.0f} s)")
     model.train(was_training)
-    say(f"reference log-probabilities: {n:,} {name} examples in {time.perf_counter() - started:.1f} s")
+    say(f"reference log-probabilities: {n:,} {name} {unit} in {time.perf_counter() - started:.1f} s")
     return torch.cat(sums, dim=1)[:, :n].tolist()
 
 
