@@ -161,6 +161,9 @@ def trace_step(recipe: Recipe, device: Device, work: Path, timeout: float = 3600
         # A Pallas kernel's body carries its source locations: file names without their folders, so that
         # the same program traced in another checkout or environment has the same key.
         "JAX_HLO_SOURCE_FILE_CANONICALIZATION_REGEX": ".*/",
+        # Python's string hashes fixed: a set of strings iterates in one order (Gemma 4 computes its rotary
+        # tables over ``set(layer_types)``, and their order is the program's output order)
+        "PYTHONHASHSEED": "0",
         "XLA_FLAGS": with_user_flags(TRACE_FLAGS.format(dir=dump)),
         "LOWMEM_DUMP_DIR": str(dump),
         # torch_xla wraps a program's arguments into one tuple past 3200 of them (a 70B model's step has
