@@ -169,4 +169,5 @@ def with_kl_rows(dataset: datasets.Dataset, block: int) -> datasets.Dataset:
         arrays = {key: np.array(batch[key], dtype=np.int64) for key in ROW_COLUMNS}
         return {key: value.astype(np.int32).tolist() for key, value in kl_rows(arrays).items()}
 
-    return dataset.map(add, batched=True, batch_size=block, desc=None)
+    # in memory: every host of a pod slice makes the same rows, none writes a cache file beside the dataset's
+    return dataset.map(add, batched=True, batch_size=block, keep_in_memory=True, desc=None)

@@ -113,8 +113,8 @@ def _last_layer_full(text: dict[str, Any]) -> None:
     if kinds[-1] == "full_attention":
         return
     kinds[-1] = "full_attention"
-    if isinstance(per, dict) and per:
-        full = next(k for k in per if kinds[int(k)] == "full_attention" and int(k) < len(kinds) - 1)
+    full = next((k for k in per or {} if kinds[int(k)] == "full_attention" and int(k) < len(kinds) - 1), None)
+    if full is not None:
         per[str(len(kinds) - 1).zfill(len(full))] = per[full]
 
 

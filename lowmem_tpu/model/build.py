@@ -96,7 +96,10 @@ def _with_towers(config: Any) -> Any:
 
     if not any(getattr(config, name, None) for name in ("vision_config", "audio_config")):
         return config
-    model = meta_model(config if hasattr(config, "to_dict") else _as_class_config(vars(config)))
+    try:
+        model = meta_model(config if hasattr(config, "to_dict") else _as_class_config(vars(config)))
+    except (KeyError, ValueError, TypeError):  # an architecture transformers cannot build: towers not counted
+        return config
     text = {id(p) for module in (model.get_decoder(), model.lm_head) for p in module.parameters()}
     setattr(config, TOWERS, sum(p.numel() for p in model.parameters() if id(p) not in text))
     return config

@@ -74,10 +74,11 @@ class XlaPreferenceTrainer(XlaTrainerMixin, DPOTrainer):
         if not self.precompute_ref_logps:
             return
         reads = self.recipe.train.global_batch_size * self.recipe.train.max_steps
+        unit = "rows" if self.method.rows == "unpaired" else "pairs"
         unscored = self._reference_keys()[0] not in self.train_dataset.column_names
         if unscored and len(self.train_dataset) > reads:
             say(
-                f"note: the run reads {reads:,} of its {len(self.train_dataset):,} examples; all of them are scored by "
+                f"note: the run reads {reads:,} of its {len(self.train_dataset):,} {unit}; all of them are scored by "
                 f"the reference (data.max_samples={reads} scores only as many)"
             )
         self.train_dataset = self._with_reference(self.train_dataset, "train")

@@ -7,6 +7,11 @@ backward) tensors that cross a layer through that dict carry no graph: the gradi
 back never reaches the producing layer's ``k_proj`` and ``v_proj``, and nothing fails. Here such a layer's
 shared K/V cross the checkpoint as its own tensor inputs (a reusing layer) or outputs (a producing layer),
 so autograd sees them as every other activation; the dict the model passes stays as transformers fills it.
+
+Written against torch_xla 2.9's ``distributed/fsdp/utils.py::checkpoint_module``: it replaces the module's
+``forward`` with one that packs keyword arguments into positional ones for ``torch_xla.utils.checkpoint``
+(tensors among them become the checkpoint's inputs), and FSDPv2 wraps only a module whose ``forward`` is a
+bound method.
 """
 
 from __future__ import annotations

@@ -50,7 +50,8 @@ def main(base: str, adapter: str, rows: str, options: str, out: str) -> None:
         ref, kl = trainer.compute_ref_log_probs(trainer.model, batch)
         batch |= {"ref_logps": ref} | ({} if kl is None else {"ref_KL_logps": kl})
         trainer.precompute_ref_logps = True
-        trainer.model.load_state_dict(load_file(f"{adapter}/model.safetensors"), strict=False)
+        moved = trainer.model.load_state_dict(load_file(f"{adapter}/model.safetensors"), strict=False)
+        assert not moved.unexpected_keys, moved.unexpected_keys  # every saved weight is the model's
         reference = {key: batch[key].tolist() for key in ("ref_logps", "ref_KL_logps") if key in batch}
     else:
         set_peft_model_state_dict(trainer.model, load_file(f"{adapter}/adapter_model.safetensors"))
