@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from lowmem_tpu.config import ModelSection, Recipe, with_fields
 from lowmem_tpu.config.assets import BUILTIN, resolve_builtin
 from lowmem_tpu.errors import UserError
+from lowmem_tpu.model.stacks import ExpertStacks, Slot, expert_slot
 
 if TYPE_CHECKING:
     import torch
@@ -146,14 +147,27 @@ def attention_name(cfg: ModelSection) -> str:
     return transformers_name(cfg.attn_implementation)
 
 
+def build_kwargs(config: Any, cfg: ModelSection | None) -> dict[str, Any]:
+    """What ``from_config`` is given: the recipe's dtype and attention, and ``static`` experts for a MoE
+    model (transformers' default experts path does not run on XLA: ``model.experts``)."""
+    kwargs: dict[str, Any] = {}
+    if cfg is not None:
+        kwargs = {"dtype": torch_dtype(cfg.dtype), "attn_implementation": attention_name(cfg)}
+    from lowmem_tpu.model.experts import NAME, has_experts, register
+
+    if has_experts(config):
+        register()
+        kwargs["experts_implementation"] = NAME
+    return kwargs
+
+
 def meta_model(config: Any, cfg: ModelSection | None = None) -> Any:
     """The model's module tree with no memory behind it; with ``cfg``, in its dtype and quantized layout."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    kwargs = {} if cfg is None else {"dtype": torch_dtype(cfg.dtype), "attn_implementation": attention_name(cfg)}
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, **kwargs)
+        model = AutoModelForCausalLM.from_config(config, **build_kwargs(config, cfg))
     if cfg is not None and cfg.quantize != "none":
         from lowmem_tpu.model.quantize import QuantSpec, swap_linears
 
@@ -190,9 +204,8 @@ def build_base_model(cfg: ModelSection, seed: int = 0, weights: Weights | None =
     if weights == "random":
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_config(
-            load_config(cfg), dtype=torch_dtype(cfg.dtype), attn_implementation=attention_name(cfg)
-        )
+        config = load_config(cfg)
+        model = AutoModelForCausalLM.from_config(config, **build_kwargs(config, cfg))
         return _for_training(model, cfg)
     return _from_checkpoint(cfg)
 
@@ -279,17 +292,20 @@ def _from_checkpoint(cfg: ModelSection) -> Any:
     dtype = torch_dtype(cfg.dtype)
     expected = {name for name, _ in model.named_parameters()} | set(dict(model.named_buffers()))
     rename = _checkpoint_names(model, directory)
+    stacks = ExpertStacks(model, dtype)
     with torch.no_grad():
         for stored, tensor in read_tensors(files):
-            name = rename(stored)
+            name, slot = rename(stored)
             layer = name.removesuffix(".weight")
-            if name in expected:
+            if slot is not None and name in expected:
+                stacks.place(name, slot, tensor, stored)
+            elif name in expected:
                 _assign(model, name, tensor, dtype)
             elif layer != name and f"{layer}.qweight" in expected:
                 model.get_submodule(layer).load_weight(tensor)
         if getattr(model.config.get_text_config(), "tie_word_embeddings", False):
             model.tie_weights()
-        missing = sorted(n for n, p in model.named_parameters() if p.is_meta)
+        missing = sorted({*(n for n, p in model.named_parameters() if p.is_meta), *stacks.incomplete()})
         if missing:  # never initialised in its place: a base must be the checkpoint's, whole
             raise UserError(
                 f"model.name_or_path: {directory} lacks weights for {len(missing)} parameters "
@@ -300,11 +316,12 @@ def _from_checkpoint(cfg: ModelSection) -> Any:
     return model
 
 
-def _checkpoint_names(model: Any, directory: Path) -> Callable[[str], str]:
-    """``stored name -> model name``, as transformers' loader renames checkpoint keys for this model.
+def _checkpoint_names(model: Any, directory: Path) -> Callable[[str], tuple[str, Slot | None]]:
+    """``stored name -> (model name, slot)``, as transformers' loader renames checkpoint keys for this model.
 
-    A key that transformers would convert (merge, split or permute tensors) rather than rename cannot
-    be read one tensor at a time: refused, naming the checkpoint.
+    A key that transformers merges into a stacked expert tensor (the Hub's one key per expert: Qwen 3 MoE's
+    ``experts.3.gate_proj.weight`` into ``experts.gate_up_proj``) comes with its ``Slot`` in that stack.
+    Any other conversion (split or permute tensors) cannot be read one tensor at a time: refused.
     """
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, rename_source_key
@@ -314,15 +331,18 @@ def _checkpoint_names(model: Any, directory: Path) -> Callable[[str], str]:
     renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
     meta_state = model.state_dict()
 
-    def rename(stored: str) -> str:
-        name, converted = rename_source_key(stored, renamings, converters, model.base_model_prefix, meta_state)
-        if converted is not None:
+    def rename(stored: str) -> tuple[str, Slot | None]:
+        name, pattern = rename_source_key(stored, renamings, converters, model.base_model_prefix, meta_state)
+        if pattern is None:
+            return name, None
+        slot = expert_slot(next(c for c in converters if pattern in c.source_patterns), pattern, stored)
+        if slot is None:
             raise UserError(
                 f"model.name_or_path: {directory} stores {stored!r} in a layout transformers converts while "
-                f"loading ({type(model).__name__}); streaming it is not supported: save the model with "
-                "transformers' save_pretrained first, or use another checkpoint of it"
+                f"loading ({type(model).__name__}) and that cannot be read one tensor at a time; "
+                "use a checkpoint of it with the model's own parameter names"
             )
-        return name
+        return name, slot
 
     return rename
 

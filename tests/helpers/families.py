@@ -6,7 +6,8 @@ embeddings (Gemma leaves ``tie_word_embeddings`` out: the class default, true, a
 (Qwen 2.5), q/k norms (Qwen 3, Gemma 3), a head size that is not hidden / heads (Gemma, Qwen 3),
 attention and final-logit soft-capping (Gemma 2), sliding windows shorter than the test rows (Gemma 2/3,
 Mistral, Phi-3), llama3 rope scaling, fused ``qkv_proj`` and ``gate_up_proj`` (Phi), the multimodal
-wrapper Gemma 3 4B and up ships as, and EOS lists (Llama 3, Gemma). Weights are random.
+wrapper Gemma 3 4B and up ships as, EOS lists (Llama 3, Gemma) and routed experts stored one key per expert
+(Qwen 3 MoE). Weights are random.
 
     python tests/helpers/families.py             # the stand-ins' names and end-of-turn texts, as JSON
     python tests/helpers/families.py NAME DIR    # build one in DIR (benchmarks/family_matrix.py runs both)
@@ -80,6 +81,35 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "rms_norm_eps": 1e-06,
         "rope_scaling": None,
         "rope_theta": 1000000,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+        "use_sliding_window": False,
+    },
+    # Qwen3-30B-A3B's layout: every layer's MLP is 8 routed experts (128 there), 2 per token (8 there),
+    # stored as the Hub stores them, one key per expert and projection
+    "qwen3_moe": {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "attention_bias": False,
+        "bos_token_id": 1,
+        "decoder_sparse_step": 1,
+        "eos_token_id": 2,
+        "head_dim": 32,
+        "hidden_act": "silu",
+        "max_position_embeddings": 40960,
+        "max_window_layers": 2,
+        "mlp_only_layers": [],
+        "moe_intermediate_size": 32,
+        "norm_topk_prob": True,
+        "num_attention_heads": 4,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "num_key_value_heads": 2,
+        "output_router_logits": False,
+        "rms_norm_eps": 1e-06,
+        "rope_scaling": None,
+        "rope_theta": 1000000.0,
+        "router_aux_loss_coef": 0.001,
         "sliding_window": None,
         "tie_word_embeddings": False,
         "use_sliding_window": False,

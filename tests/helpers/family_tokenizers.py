@@ -134,6 +134,7 @@ SPECS = {
     ),
 }
 SPECS["gemma3_multimodal"] = SPECS["gemma4"] = SPECS["gemma3"]
+SPECS["qwen3_moe"] = SPECS["qwen3"]
 # What each family's template writes after an assistant message's content (the turn's trained end).
 END_OF_TURN = {
     "llama3": "<|eot_id|>",
@@ -146,6 +147,7 @@ END_OF_TURN = {
     "phi4": "<|im_end|>",
 }
 END_OF_TURN["gemma3_multimodal"] = END_OF_TURN["gemma4"] = END_OF_TURN["gemma3"]
+END_OF_TURN["qwen3_moe"] = END_OF_TURN["qwen3"]
 
 
 def _fill(special: dict[int, str], first: int, last: int) -> list[str]:

@@ -59,6 +59,7 @@ LAYERS = {
     "phi4": "Phi3DecoderLayer",
     "gemma3_multimodal": "Gemma3DecoderLayer",  # not SiglipEncoderLayer, which _no_split_modules also names
     "gemma4": "Gemma4TextDecoderLayer",
+    "qwen3_moe": "Qwen3MoeDecoderLayer",
 }
 
 

@@ -60,7 +60,7 @@ def test_every_assistant_turn_is_trained_in_context_with_its_end_of_turn(family)
     name, tokenizer, data = family
     rows, stats = build_dataset(DataSection(path=str(data), format="chat", max_length=128), tokenizer)
     turns = [tokenizer.decode(run) for run in runs(rows[0])]
-    after_last_user = "<think>\n\n</think>\n\n" if name == "qwen3" else ""  # Qwen 3 writes it in that turn only
+    after_last_user = "<think>\n\n</think>\n\n" if name.startswith("qwen3") else ""  # Qwen 3: that turn only
     last_end = END_OF_TURN[name] + ("<|endoftext|>" if name == "phi3" else "")  # Phi-3's EOS after the last one
     assert [turn.lstrip() for turn in turns] == [f"nomel{END_OF_TURN[name]}", f"{after_last_user}lemon{last_end}"]
     assert stats["trained_tokens"] == sum(len(run) for run in runs(rows[0]))
@@ -100,7 +100,7 @@ def test_replies_stop_at_the_end_of_turn(family):
 def test_exact_match_expects_what_training_taught(family):
     name, tokenizer, data = family
     [(ids, answer)] = exact_match_prompts(DataSection(path=str(data), format="chat"), tokenizer, str(data), 1)
-    assert answer.strip() == ("<think>\n\n</think>\n\nlemon" if name == "qwen3" else "lemon")  # as compared
+    assert answer.strip() == ("<think>\n\n</think>\n\nlemon" if name.startswith("qwen3") else "lemon")  # as compared
     rows, _ = build_dataset(DataSection(path=str(data), format="chat", max_length=128), tokenizer)
     assert rows[0]["input_ids"][: len(ids)] == ids  # the prompt is the trained row's own beginning
 

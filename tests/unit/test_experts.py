@@ -1,0 +1,63 @@
+"""Mixture-of-experts layers: ``static`` experts against transformers' own eager experts, and the Hub's
+one-key-per-expert checkpoints read into the stacked parameters (``from_pretrained`` equality for every
+family: test_families.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from lowmem_tpu.config import ModelSection
+from lowmem_tpu.errors import UserError
+from lowmem_tpu.model import build_base_model
+from lowmem_tpu.model.experts import NAME
+
+
+def _logits_and_grads(model, ids):
+    model.zero_grad()
+    for name, param in model.named_parameters():
+        param.requires_grad_("experts" in name or "embed" in name)
+    out = model(input_ids=ids).logits
+    out.float().pow(2).mean().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out.detach(), grads
+
+
+def test_static_experts_equal_transformers_eager_experts(stand_ins):
+    model = build_base_model(ModelSection(name_or_path=str(stand_ins["qwen3_moe"]), dtype="float32"))
+    assert model.config._experts_implementation == NAME
+    ids = torch.randint(0, 512, (3, 24), generator=torch.Generator().manual_seed(0))
+    ours, our_grads = _logits_and_grads(model, ids)
+    model.set_experts_implementation("eager")
+    theirs, their_grads = _logits_and_grads(model, ids)
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=2e-5 * theirs.abs().max().item())
+    assert our_grads.keys() == their_grads.keys() and any("gate_up_proj" in n for n in our_grads)
+    for name, grad in their_grads.items():
+        torch.testing.assert_close(our_grads[name], grad, rtol=0, atol=1e-5 * grad.abs().max().item() + 1e-12)
+
+
+def test_a_checkpoint_missing_an_expert_is_refused(stand_ins, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    source = stand_ins["qwen3_moe"]
+    broken = tmp_path / "qwen3_moe"
+    broken.mkdir()
+    for item in source.iterdir():
+        (broken / item.name).write_bytes(item.read_bytes())
+    tensors = load_file(source / "model.safetensors")
+    del tensors["model.layers.1.mlp.experts.5.up_proj.weight"]
+    save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(UserError, match=r"lacks weights for 1 parameters.*layers\.1\.mlp\.experts\.gate_up_proj"):
+        build_base_model(ModelSection(name_or_path=str(broken), dtype="float32"))
+
+
+def test_the_stacked_layout_saved_by_the_project_reads_back_in_both(stand_ins, tmp_path):
+    """A merged MoE model is saved by save_pretrained: transformers and the project read it back alike."""
+    model = build_base_model(ModelSection(name_or_path=str(stand_ins["qwen3_moe"]), dtype="float32"))
+    model.save_pretrained(tmp_path)
+    again = build_base_model(ModelSection(name_or_path=str(tmp_path), dtype="float32"))
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(again.state_dict()[name], tensor), name
+        assert torch.equal(theirs.state_dict()[name], tensor), name
