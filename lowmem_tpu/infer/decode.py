@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from lowmem_tpu.errors import UserError
+from lowmem_tpu.model.experts import without_router_logits
 
 
 @dataclass(frozen=True)
@@ -102,10 +103,11 @@ class Decoder:
         step = {"input_ids": ids, "position_ids": positions, "cache_position": torch.arange(length)}
         out: list[int] = []
         stopped = "length"
+        quiet = without_router_logits(self.model)
         with torch.no_grad():
             for t in range(max_new_tokens):
                 inputs = {k: v.to(self.device) for k, v in step.items()}
-                logits = self.model(**inputs, attention_mask=mask, cache=cache, use_cache=True).logits[0, -1]
+                logits = self.model(**inputs, attention_mask=mask, cache=cache, use_cache=True, **quiet).logits[0, -1]
                 chosen = logits.argmax(-1) if temperature <= 0 else logits.float()
                 self.sync()
                 token = int(chosen.cpu()) if temperature <= 0 else pick(chosen.cpu(), temperature, top_p, generator)
@@ -140,9 +142,10 @@ def greedy_rows(
         buffer[i, : len(ids)] = torch.tensor(ids)
     ends = torch.tensor([len(ids) - 1 for ids in rows])
     tokens, ends = buffer.to(device), ends.to(device)
+    quiet = without_router_logits(model)
     with torch.no_grad():
         for _ in range(max_new_tokens):
-            logits = model(input_ids=tokens, use_cache=False).logits
+            logits = model(input_ids=tokens, use_cache=False, **quiet).logits
             last = logits.gather(1, ends.view(-1, 1, 1).expand(-1, 1, logits.size(-1))).squeeze(1)
             ends = ends + 1
             tokens = tokens.scatter(1, ends.view(-1, 1), last.argmax(-1).view(-1, 1))

@@ -94,13 +94,38 @@ def decoder_projections(model: Any) -> tuple[str, list[str]]:
     return path, names
 
 
+# The Linear projections a stacked expert tensor stands for: listing one of them adapts that stack.
+EXPERT_PROJECTIONS = {"gate_up_proj": ("gate_proj", "up_proj", "gate_up_proj"), "down_proj": ("down_proj",)}
+
+
+def expert_stacks(model: Any) -> list[str]:
+    """The decoder layers' stacked expert parameters (3-D), as ``relative.path.leaf`` (``mlp.experts.down_proj``)."""
+    layers = decoder_layers(model)
+    found: list[str] = []
+    for layer in layers or []:
+        for name, param in layer.named_parameters():
+            if param.dim() == 3 and name not in found:
+                found.append(name)
+    return found
+
+
+def expert_targets(model: Any, requested: list[str] | str) -> list[str]:
+    """PEFT's ``target_parameters``: the stacked experts the requested projections stand for (gate or up:
+    ``gate_up_proj``; down: ``down_proj``); all-linear and the default list take every stack. A router is never
+    adapted."""
+    wanted = set(LORA_TARGETS) if requested == "all-linear" else set(requested)
+    stacks = expert_stacks(model)
+    return [name for name in stacks if wanted & set(EXPERT_PROJECTIONS.get(name.rpartition(".")[2], ()))]
+
+
 def lora_targets(model: Any, requested: list[str] | str) -> list[str] | str:
     """PEFT's ``target_modules`` for this model.
 
     The default list (Llama's seven projections) follows the model's own projections: Phi's fused
     ``qkv_proj`` and ``gate_up_proj`` included. A listed name that matches no module is an error naming
-    the decoder's projections. Where a name (or ``all-linear``) also matches modules outside the text
-    decoder (a multimodal model's vision tower), the targets become a pattern held to the decoder's layers.
+    the decoder's projections, unless it stands for a stack of experts (``expert_targets``). Where a name
+    (or ``all-linear``) also matches modules outside the text decoder (a multimodal model's vision tower),
+    the targets become a pattern held to the decoder's layers.
     """
     from torch import nn
 
@@ -108,19 +133,24 @@ def lora_targets(model: Any, requested: list[str] | str) -> list[str] | str:
     inside = f"{path}."
     if requested == "all-linear":
         outside = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and not n.startswith(inside)]
-        if all(name.rpartition(".")[2] == "lm_head" for name in outside):
+        # PEFT reads all-linear on a MoE model as transformers 4's Linears, the router among them: named instead
+        if all(name.rpartition(".")[2] == "lm_head" for name in outside) and not expert_stacks(model):
             return requested
         requested = projections
     names = list(requested)
     if tuple(names) == LORA_TARGETS and not set(names) <= set(projections):
         names = projections
     leaves = {name.rpartition(".")[2] for name, _ in model.named_modules()}
-    unknown = [name for name in names if name not in leaves]
+    stacked = {p for stack in expert_targets(model, names) for p in EXPERT_PROJECTIONS[stack.rpartition(".")[2]]}
+    unknown = [name for name in names if name not in leaves and name not in stacked]
     if unknown:
+        stacks = ", ".join(expert_stacks(model))
         raise UserError(
             f"lora.target_modules: {', '.join(unknown)} matches no module of this model; its decoder layers' "
-            f"projections are {', '.join(projections)} (or use all-linear)"
+            f"projections are {', '.join(projections)}{f' and its experts {stacks}' if stacks else ''} "
+            "(or use all-linear)"
         )
+    names = [name for name in names if name in leaves]
     elsewhere = any(
         name.rpartition(".")[2] in names and not name.startswith(inside) for name, _ in model.named_modules()
     )

@@ -75,7 +75,8 @@ def static_experts_forward(
     if getattr(self, "has_post_expert_norm", False):
         out = self.post_expert_norm(out)
     out = out * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(out.dtype)
-    back = torch.empty_like(out).index_copy(0, order, out)  # each row to its (token, slot) place again
+    places = torch.arange(order.shape[0], device=order.device)
+    back = out[torch.zeros_like(order).scatter(0, order, places)]  # each row to its (token, slot) place again
     return back.view(tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
 
 
@@ -92,3 +93,12 @@ def has_experts(config: Any) -> bool:
     return any(
         (getattr(text, key, 0) or 0) > 0 for key in ("num_experts", "num_local_experts", "n_routed_experts")
     ) or bool(getattr(text, "enable_moe_block", False))
+
+
+def without_router_logits(model: Any) -> dict[str, Any]:
+    """Forward arguments for scoring or sampling a MoE model: no router logits, so no auxiliary loss (TRL turns
+    them on in the config for training; transformers' loss on them counts experts with ``histc``, which XLA
+    runs on the CPU and fails on, when no attention mask is given)."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return {"output_router_logits": False} if hasattr(text, "output_router_logits") else {}

@@ -6,7 +6,7 @@ from typing import Any
 
 from lowmem_tpu.config import Recipe
 from lowmem_tpu.errors import UserError
-from lowmem_tpu.model.architecture import lora_targets
+from lowmem_tpu.model.architecture import expert_targets, lora_targets
 
 # PiSSA/OLoRA's adapters as initialised, beside a checkpoint's export files (the export converts with them).
 INITIAL_ADAPTER = "initial_adapter.safetensors"
@@ -31,6 +31,7 @@ def apply_lora(model: Any, recipe: Recipe, weightless: bool = False) -> Any:
         lora_alpha=lora.alpha,
         lora_dropout=lora.dropout,
         target_modules=lora_targets(model, lora.target_modules),
+        target_parameters=expert_targets(model, lora.target_modules) or None,
         use_rslora=lora.use_rslora,
         use_dora=lora.use_dora,
         init_lora_weights=True if weightless and _reads_the_base(lora.init_lora_weights) else lora.init_lora_weights,

@@ -131,23 +131,52 @@ def check_adapter_tensors(adapter_dir: Path, base_config: Any) -> None:
             "the adapter is broken (retrain, e.g. with a lower train.learning_rate)"
         )
     model = meta_model(base_config)
-    modules = dict(model.named_modules())
+    stacked = json.loads((adapter_dir / ADAPTER_CONFIG).read_text()).get("target_parameters") or []
     problems = []
     for name in sorted({_module_name(key) for key in tensors if key.endswith(LORA_SUFFIXES)}):
         a, b = tensors.get(f"{LORA_PREFIX}{name}.lora_A.weight"), tensors.get(f"{LORA_PREFIX}{name}.lora_B.weight")
-        module = modules.get(name)
-        if module is None or not hasattr(module, "weight"):
+        label, shape = adapted_weight(model, name, stacked)
+        if shape is None:
             problems.append(f"{name}: the adapter has LoRA weights for it, the base has no such layer")
-        elif a is not None and b is not None and (b.shape[0], a.shape[1]) != tuple(module.weight.shape):
+        elif a is not None and b is not None and (b.shape[0], a.shape[1]) != shape[-2:]:
             problems.append(
-                f"{name}: the adapter expects a base weight of shape {(b.shape[0], a.shape[1])} "
-                f"(lora_B {tuple(b.shape)} x lora_A {tuple(a.shape)}), the base has {tuple(module.weight.shape)}"
+                f"{label}: the adapter expects a base weight of shape {(b.shape[0], a.shape[1])} "
+                f"(lora_B {tuple(b.shape)} x lora_A {tuple(a.shape)}), the base has {shape}"
             )
+        elif a is not None and len(shape) == 3 and a.shape[0] % shape[0]:
+            problems.append(f"{label}: lora_A {tuple(a.shape)} is not a rank per each of its {shape[0]} experts")
     if problems:
         more = [f"... and {len(problems) - 10} more"] if len(problems) > 10 else []
         raise UserError(
             ["the base does not match the adapter (was it trained on another model?):", *problems[:10], *more]
         )
+
+
+def adapted_weight(model: Any, name: str, stacked: list[str]) -> tuple[str, tuple[int, ...] | None]:
+    """The base weight an adapter module's LoRA applies to, and its shape as PEFT orients it (None: no such
+    weight). PEFT wraps a module's stacked experts (``target_parameters``) one inside the other in the module's
+    parameter order, so ``experts``, ``experts.base_layer``, ... name them from the last to the first."""
+    modules = dict(model.named_modules())
+    depth = 0
+    while name.endswith(".base_layer"):
+        name, depth = name.removesuffix(".base_layer"), depth + 1
+    module = modules.get(name)
+    if module is None:
+        return name, None
+    leaves = [
+        leaf
+        for leaf, _ in module.named_parameters(recurse=False)
+        if any(f"{name}.{leaf}".endswith(f".{target}") or target == leaf for target in stacked)
+    ]
+    if not leaves:
+        return name, (tuple(module.weight.shape) if depth == 0 and hasattr(module, "weight") else None)
+    if depth >= len(leaves):
+        return name, None
+    leaf = leaves[len(leaves) - 1 - depth]
+    shape = tuple(getattr(module, leaf).shape)
+    if len(shape) == 3 and not getattr(module, "is_transposed", False):
+        return f"{name}.{leaf}", shape  # PEFT's lora_B x lora_A is [out, in] = the stack's last two dims
+    return f"{name}.{leaf}", (*shape[:-2], shape[-1], shape[-2]) if len(shape) == 3 else shape
 
 
 def _module_name(key: str) -> str:

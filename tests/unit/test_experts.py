@@ -61,3 +61,30 @@ def test_the_stacked_layout_saved_by_the_project_reads_back_in_both(stand_ins, t
     for name, tensor in model.state_dict().items():
         assert torch.equal(again.state_dict()[name], tensor), name
         assert torch.equal(theirs.state_dict()[name], tensor), name
+
+
+def test_lora_adapts_the_experts_in_pefts_layout_and_trains_as_with_eager_experts(stand_ins):
+    from lowmem_tpu.config import load_recipe
+    from lowmem_tpu.model import apply_lora
+
+    recipe = load_recipe(None, [f"model.name_or_path={stand_ins['qwen3_moe']}", "model.dtype=float32"])
+    model = apply_lora(build_base_model(recipe.model), recipe)
+    assert set(model.peft_config["default"].target_parameters) == {"mlp.experts.gate_up_proj", "mlp.experts.down_proj"}
+    adapted = {n.split(".lora_")[0].split("layers.0.")[-1] for n, _ in model.named_parameters() if "lora_A" in n}
+    assert {"mlp.experts.base_layer", "mlp.experts"} <= adapted and "mlp.gate" not in adapted, adapted
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.02)  # B starts at zero: the experts' A would get no gradient
+    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(1))
+
+    def grads():
+        model.zero_grad()
+        model(input_ids=ids).logits.pow(2).mean().backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    ours = grads()
+    model.base_model.model.set_experts_implementation("eager")
+    theirs = grads()
+    assert ours.keys() == theirs.keys() and sum("experts" in n for n in ours) == 2 * 2 * 2  # 2 layers, 2 stacks
+    for name, grad in theirs.items():
+        torch.testing.assert_close(ours[name], grad, rtol=0, atol=1e-5 * grad.abs().max().item() + 1e-12)
