@@ -20,7 +20,7 @@ def run_metrics(
 ) -> dict[str, Any]:
     """``metrics.json``: what the run did (losses, throughput, compiles, evaluation, memory per device)."""
     before, after = evals
-    from lowmem_tpu.xla.runtime import cache_stats, compile_count, compile_seconds
+    from lowmem_tpu.xla.runtime import cache_stats, compile_count, compile_seconds, cpu_fallbacks
 
     cb = job.metrics
     steps = recipe.train.max_steps
@@ -67,6 +67,7 @@ def run_metrics(
             "total": compile_count() - cb.compiles_at_start,
             "seconds": round(compile_seconds() - cb.compile_seconds_at_start, 2),
             "persistent_cache": {"dir": runtime.compile_cache_dir, **cache_stats()},
+            "cpu_fallbacks": cpu_fallbacks(),
         },
         "memory": memory,
         "checkpoints": {"seconds": {str(s): t for s, t in sorted(job.trainer.save_seconds.items())}},
@@ -99,7 +100,8 @@ def print_summary(metrics: dict[str, Any], final: Path) -> None:
 def _compiles(c: dict[str, Any]) -> str:
     saves = list(c["at_saves"].values())
     at_saves = f", {sum(saves)} at {len(saves)} saves" if saves else ""
-    return f"{c['during_warmup']} in warm-up, {c['after_warmup']} after{at_saves}"
+    fallbacks = f"; ran on the host: {', '.join(c['cpu_fallbacks'])}" if c.get("cpu_fallbacks") else ""
+    return f"{c['during_warmup']} in warm-up, {c['after_warmup']} after{at_saves}{fallbacks}"
 
 
 def _fmt(value: float | None) -> str:

@@ -227,6 +227,14 @@ def compile_count() -> int:
     return int(data[0]) if data else 0
 
 
+def cpu_fallbacks() -> list[str]:
+    """The aten operations this process ran on the host because XLA has no lowering for them (each a device
+    to host copy and back, and a program boundary); reading a value (``.item()``) is not one."""
+    import torch_xla.debug.metrics as met
+
+    return sorted(set(met.executed_fallback_ops()) - {"aten::_local_scalar_dense"})
+
+
 def counter(name: str) -> int:
     """A torch_xla counter (0 when it never fired)."""
     import torch_xla.debug.metrics as met
