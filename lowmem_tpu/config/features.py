@@ -131,3 +131,50 @@ def chunked_loss_refusal(config: Any) -> str | None:
         f"train.chunked_loss: {getattr(text, 'model_type', 'this model')} scales or soft-caps its logits, which the "
         "chunked loss does not do; set train.chunked_loss: false"
     )
+
+
+@dataclass(frozen=True)
+class Experts:
+    """A mixture-of-experts decoder: ``count`` experts of inner width ``inner`` in each of ``layers``, the
+    router picking ``per_token`` of them for every token."""
+
+    count: int
+    per_token: int
+    inner: int
+    layers: tuple[int, ...]
+
+    def parameters(self, hidden: int) -> int:
+        """Every expert's weights and the routers, over the MoE layers (gate, up and down per expert)."""
+        return len(self.layers) * self.count * (3 * self.inner * hidden + hidden)
+
+    def idle(self, hidden: int) -> int:
+        """The expert weights a token does not go through: total minus active parameters."""
+        return len(self.layers) * (self.count - self.per_token) * 3 * self.inner * hidden
+
+
+def experts_of(config: Any) -> Experts | None:
+    """The model's experts, read as transformers' Qwen 3 MoE and gpt-oss configs give them (layers listed in
+    ``mlp_only_layers``, or off ``decoder_sparse_step``, keep a dense MLP); None for a dense model."""
+    config = text_config(config)
+    count = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0
+    if count <= 0:
+        return None
+    per_token = getattr(config, "num_experts_per_tok", None) or getattr(config, "experts_per_token", None) or 1
+    inner = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+    dense = set(getattr(config, "mlp_only_layers", None) or [])
+    step = getattr(config, "decoder_sparse_step", 1) or 1
+    layers = tuple(i for i in range(config.num_hidden_layers) if i not in dense and (i + 1) % step == 0)
+    return Experts(count, per_token, inner, layers)
+
+
+def quantize_refusal(config: Any, quantize: str) -> str | None:
+    """Why ``model.quantize`` cannot quantize this model as it claims: its experts (most of a MoE model's
+    weights) are stacked parameters that only a Linear's quantization would miss, leaving them in bf16."""
+    experts = experts_of(config)
+    if quantize == "none" or experts is None:
+        return None
+    return (
+        f"model.quantize: {quantize} quantizes Linear layers, and this model keeps most of its weights in "
+        f"{experts.count} stacked experts per layer, which would stay unquantized; set model.quantize: none "
+        "(LoRA on the bf16 base)"
+    )

@@ -12,6 +12,7 @@ from typing import Any
 from lowmem_tpu.config import Recipe
 from lowmem_tpu.config.checks import flash_tiles
 from lowmem_tpu.config.devices import Device, GiB, find_device
+from lowmem_tpu.config.features import quantize_refusal
 from lowmem_tpu.config.methods import METHODS
 from lowmem_tpu.errors import UserError
 from lowmem_tpu.machine import host_memory
@@ -188,6 +189,7 @@ def plan_recipe(recipe: Recipe, device: str, config: Any) -> MemoryReport:
     shape = shape_of(config)
     data = recipe.data
     refusal = shape.attention.refusal(recipe.model.attn_implementation, data.packing, data.max_length)
+    refusal = refusal or quantize_refusal(config, recipe.model.quantize)
     if refusal:
         raise UserError(refusal)
     layout = "cpu" if target.name == "cpu" else "tpu"

@@ -26,7 +26,7 @@ from lowmem_tpu.memory.cpu_layout import (
     logits_bytes,
     quantized,
 )
-from lowmem_tpu.memory.shape import Setting, Shape, linears
+from lowmem_tpu.memory.shape import EXPERT_STACKS, Setting, Shape, linears
 from lowmem_tpu.memory.tiles import shard_shape, tpu_shard_bytes
 
 # ----------------------------------------------------------------------------- parameters and persistent state
@@ -92,6 +92,12 @@ def parameters(s: Shape, st: Setting) -> list[Tensor]:
             if st.lora and name in st.targets:
                 adapter = DTYPE_BYTES[st.adapter_dtype]
                 layer += [Tensor((st.rank, i), adapter, True), Tensor((o, st.rank), adapter, True)]
+            elif st.lora and s.experts and set(EXPERT_STACKS.get(name, ())) & set(st.targets):
+                adapter, per_expert = DTYPE_BYTES[st.adapter_dtype], st.rank * s.experts.count
+                layer += [
+                    Tensor((per_expert, i), adapter, True),
+                    Tensor((o // s.experts.count, per_expert), adapter, True),
+                ]
             out += layer * count
     out += [Tensor((s.hidden,), size, full)] * (2 * s.layers)
     towers = [Tensor((s.towers,), size, False)] if s.towers else []  # frozen even in full fine-tuning

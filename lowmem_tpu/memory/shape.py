@@ -9,8 +9,10 @@ from lowmem_tpu.config import Recipe
 from lowmem_tpu.config.features import (
     TOWERS,
     Attention,
+    Experts,
     attention_of,
     chunked_loss_refusal,
+    experts_of,
     layers_differ,
     text_config,
 )
@@ -44,6 +46,7 @@ class Shape:
     other_weights: tuple[tuple[int, ...], ...] = ()
     towers: int = 0  # parameters outside the text decoder (a multimodal checkpoint's vision and audio towers)
     capped_logits: bool = False  # final_logit_softcapping: tanh(logits / cap) * cap before the loss
+    experts: Experts | None = None  # a MoE decoder's routed experts (their stacks are among layer_linears)
 
 
 def shape_of(config: Any) -> Shape:
@@ -61,7 +64,7 @@ def shape_of(config: Any) -> Shape:
     if layers_differ(config):
         return replace(_per_layer_shape(outer, config), **extra)
     heads = config.num_attention_heads
-    return Shape(
+    shape = Shape(
         **extra,
         hidden=config.hidden_size,
         intermediate=config.intermediate_size,
@@ -75,6 +78,37 @@ def shape_of(config: Any) -> Shape:
         mlp_bias=bool(getattr(config, "mlp_bias", False)),
         attention=attention_of(outer),
         chunked_loss_refusal=chunked_loss_refusal(outer),
+    )
+    if getattr(config, "model_type", None) in QK_NORMED:
+        shape = replace(shape, other_weights=((shape.head_dim,),) * (2 * shape.layers))
+    experts = experts_of(config)
+    return shape if experts is None else _with_experts(shape, experts)
+
+
+QK_NORMED = ("qwen3", "qwen3_moe")  # a norm of head_dim weights on queries and keys in every layer
+
+
+# A layer's stacked experts among its projections, as (out, in) of the stack seen as one matrix: what is
+# stored and gathered. LoRA on a stack has a rank per expert (PEFT: lora_A [rank x experts, in]).
+EXPERT_STACKS = {"experts.gate_up_proj": ("gate_proj", "up_proj"), "experts.down_proj": ("down_proj",)}
+
+
+def _with_experts(shape: Shape, experts: Experts) -> Shape:
+    """A MoE decoder's layers one by one: its MoE layers' stacked experts (and routers, among the other weights)
+    in place of the dense MLP, which the rest keep. A layer's MLP activations are its routed rows' (top-k
+    experts wide): ``intermediate`` is their width."""
+    h, e, inner = shape.hidden, experts.count, experts.inner
+    dense = linears(shape)
+    attention = {name: dense[name] for name in ("q_proj", "k_proj", "v_proj", "o_proj")}
+    stacks = {"experts.gate_up_proj": (e * 2 * inner, h), "experts.down_proj": (e * h, inner)}
+    layers = tuple(
+        attention | (stacks if i in experts.layers else {k: dense[k] for k in dense if k not in attention})
+        for i in range(shape.layers)
+    )
+    routers = tuple((e, h) for _ in experts.layers)
+    width = max(experts.per_token * inner, shape.intermediate if len(experts.layers) < shape.layers else 0)
+    return replace(
+        shape, layer_linears=layers, other_weights=shape.other_weights + routers, intermediate=width, experts=experts
     )
 
 

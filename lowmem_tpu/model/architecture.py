@@ -6,7 +6,7 @@ import re
 from typing import Any
 
 from lowmem_tpu.config import Recipe
-from lowmem_tpu.config.features import attention_of, chunked_loss_refusal, layers_differ, text_config
+from lowmem_tpu.config.features import attention_of, chunked_loss_refusal, experts_of, layers_differ, text_config
 from lowmem_tpu.config.model_fields import LORA_TARGETS
 from lowmem_tpu.errors import UserError
 from lowmem_tpu.model.build import load_config, meta_model
@@ -32,7 +32,7 @@ def check_model(recipe: Recipe) -> str:
     if recipe.model.quantize != "none":
         from lowmem_tpu.model.quantize import check_quantizable
 
-        check_quantizable(config, recipe.model.quantize_lm_head)
+        check_quantizable(config, recipe.model.quantize_lm_head, recipe.model.quantize)
     model = meta_model(config)
     layer = layer_class(model, recipe.sharding.layer_class)
     if recipe.lora.enabled:
@@ -181,8 +181,8 @@ def flops_per_token(
     twice the forward for both: gradients of the activations (2 per weight) and of the weights (2 per
     *trainable* weight: a frozen base skips those), and attention's backward is two matmuls per
     forward matmul whether or not anything trains. Recomputation by checkpointing is not counted
-    (model FLOPs, not hardware FLOPs). ``forward_passes``: forward passes over the
-    rows per step (DPO's with its reference: 2; KTO's: 4).
+    (model FLOPs, not hardware FLOPs). A MoE model counts its active parameters. ``forward_passes``:
+    forward passes over the rows per step (DPO's with its reference: 2; KTO's: 4).
     """
     config = text_config(config)  # a multimodal model's: its text decoder's
     layers, hidden = config.num_hidden_layers, config.hidden_size
@@ -193,8 +193,11 @@ def flops_per_token(
     # Gemma 4's per-layer embeddings (PLE): a lookup too, a table of [vocab, layers x its width]
     ple = getattr(config, "hidden_size_per_layer_input", 0) or 0
     embedding += ple * layers * (getattr(config, "vocab_size_per_layer_input", None) or config.vocab_size)
-    dense = total - embedding
-    trained = trainable - (0 if lora else embedding)
+    # A MoE token goes through its top-k experts only: the others' weights cost it nothing
+    experts = experts_of(config)
+    idle = experts.idle(hidden) if experts else 0
+    dense = total - embedding - idle
+    trained = trainable - (0 if lora else embedding + idle)
     attention = 4 * layers * hidden * seq_len
     forward = 2 * dense + attention
     return forward * forward_passes + (2 * dense + 2 * attention) + 2 * trained

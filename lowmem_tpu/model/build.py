@@ -169,7 +169,9 @@ def meta_model(config: Any, cfg: ModelSection | None = None) -> Any:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, **build_kwargs(config, cfg))
     if cfg is not None and cfg.quantize != "none":
-        from lowmem_tpu.model.quantize import QuantSpec, swap_linears
+        from lowmem_tpu.model.quantize import QuantSpec, check_quantizable, swap_linears
+
+        check_quantizable(config, cfg.quantize_lm_head, cfg.quantize)
 
         swap_linears(model, QuantSpec.of(cfg), cfg.quantize_lm_head, torch_dtype(cfg.dtype))
     return _for_training(model, cfg)
@@ -214,8 +216,9 @@ def quantize_base(model: Any, cfg: ModelSection) -> int:
     """Quantize a base built with random weights (in full precision); returns the layer count."""
     if cfg.quantize == "none":
         return 0
-    from lowmem_tpu.model.quantize import QuantSpec, quantize_model
+    from lowmem_tpu.model.quantize import QuantSpec, check_quantizable, quantize_model
 
+    check_quantizable(model.config, cfg.quantize_lm_head, cfg.quantize)
     return quantize_model(model, QuantSpec.of(cfg), cfg.quantize_lm_head)
 
 

@@ -264,8 +264,12 @@ def quantized_names(model: nn.Module, lm_head: bool) -> list[str]:
     return names
 
 
-def check_quantizable(config: Any, lm_head: bool) -> None:
-    """Refuse a quantized LM head that shares its weight with the input embedding."""
+def check_quantizable(config: Any, lm_head: bool, quantize: str) -> None:
+    """Refuse a quantized LM head that shares its weight with the input embedding, and experts left unquantized."""
+    from lowmem_tpu.config.features import quantize_refusal
+
+    if reason := quantize_refusal(config, quantize):
+        raise UserError(reason)
     if lm_head and getattr(config, "tie_word_embeddings", False):
         raise UserError(
             "model.quantize_lm_head: this model ties its LM head to the input embedding, which stays "

@@ -88,3 +88,43 @@ def test_lora_adapts_the_experts_in_pefts_layout_and_trains_as_with_eager_expert
     assert ours.keys() == theirs.keys() and sum("experts" in n for n in ours) == 2 * 2 * 2  # 2 layers, 2 stacks
     for name, grad in theirs.items():
         torch.testing.assert_close(ours[name], grad, rtol=0, atol=1e-5 * grad.abs().max().item() + 1e-12)
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_the_planner_counts_every_expert_and_moe_flops_count_the_active_ones(stand_ins, lora):
+    """The planner's parameters equal the meta model's (adapters included), for the stand-in and Qwen3-30B-A3B
+    (30.5 B, 3.3 B of them active per token); the MFU's FLOPs count the active experts only."""
+    from lowmem_tpu.config import load_recipe
+    from lowmem_tpu.memory.plan import parameters
+    from lowmem_tpu.memory.shape import setting_of, shape_of
+    from lowmem_tpu.model import apply_lora, count_parameters, flops_per_token
+    from lowmem_tpu.model.build import load_config, meta_model, require_config
+
+    for name in (str(stand_ins["qwen3_moe"]), "Qwen/Qwen3-30B-A3B"):
+        recipe = load_recipe(None, [f"model.name_or_path={name}", f"lora.enabled={str(lora).lower()}"])
+        config = require_config(recipe)
+        model = apply_lora(meta_model(load_config(recipe.model, offline=True), recipe.model), recipe, weightless=True)
+        trainable, total = count_parameters(model)
+        planned = parameters(shape_of(config), setting_of(recipe, 1))
+        assert sum(t.parameters for t in planned) == total
+        assert sum(t.parameters for t in planned if t.trainable) == trainable
+    assert total - (trainable if lora else 0) == 30_532_122_624
+    per_token = flops_per_token(config, total, trainable, 1, lora)
+    assert 4 * 3.0e9 < per_token < 6 * 3.6e9  # about 3 B active weights: 4 or 6 FLOPs each, not 30 B
+
+
+def test_quantizing_a_moe_base_is_refused_rather_than_leaving_its_experts_in_bf16(stand_ins):
+    from lowmem_tpu.config import load_recipe
+    from lowmem_tpu.memory.advise import plan_recipe
+    from lowmem_tpu.model.architecture import check_model
+    from lowmem_tpu.model.build import require_config
+
+    recipe = load_recipe(None, [f"model.name_or_path={stand_ins['qwen3_moe']}", "model.quantize=nf4"])
+    for refuse in (lambda: check_model(recipe), lambda: plan_recipe(recipe, "v5e-8", require_config(recipe))):
+        with pytest.raises(UserError, match=r"model.quantize: nf4 .* 8 stacked experts per layer.*quantize: none"):
+            refuse()
+    from lowmem_tpu.model import quantize_base
+
+    for weights in ("checkpoint", "random"):  # quantized as read, or after a random init
+        with pytest.raises(UserError, match=r"stacked experts"):
+            quantize_base(build_base_model(recipe.model, weights=weights), recipe.model)
