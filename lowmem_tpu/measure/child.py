@@ -234,7 +234,8 @@ def _trace_hook(record: dict[str, Any], result: Path) -> Any:
 def _idle_weights(model: Any) -> Any:
     """A function giving the weights of every module the step did not run (a multimodal checkpoint's vision
     tower when training on text): they sit in HBM, sharded like the rest, but are no argument of the step.
-    The LM head counts as run: the chunked loss reads its weight without calling it."""
+    The LM head counts as run: the chunked loss reads its weight without calling it; so does every trainable
+    weight (PEFT reads a stacked expert's LoRA weights without calling their modules)."""
     ran: set[int] = set()
     holders = [m for m in model.modules() if next(m.parameters(recurse=False), None) is not None]
     for module in holders:
@@ -244,7 +245,7 @@ def _idle_weights(model: Any) -> Any:
     def idle() -> list[Any]:
         used = {id(p) for m in holders if id(m) in ran for p in m.parameters(recurse=False)}
         used |= {id(p) for p in (head.parameters() if head is not None else [])}
-        return list({id(p): p for p in model.parameters() if id(p) not in used}.values())
+        return list({id(p): p for p in model.parameters() if id(p) not in used and not p.requires_grad}.values())
 
     return idle
 
@@ -252,15 +253,20 @@ def _idle_weights(model: Any) -> Any:
 def _trace(recipe: Recipe, runtime: Any, micro: int, record: dict[str, Any], result: Path) -> None:
     import torch
 
+    from lowmem_tpu.config.features import experts_of
     from lowmem_tpu.measure.trace import placeholder_model, resident_tensors
+    from lowmem_tpu.model.build import require_config
+    from lowmem_tpu.xla import experts, flash
+    from lowmem_tpu.xla.pallas import lower_pallas_for_tpu
     from lowmem_tpu.xla.sharding import placeholder, placeholders_unmarked
 
+    moe = experts_of(require_config(recipe)) is not None
+    if recipe.model.attn_implementation == "flash" or moe:
+        lower_pallas_for_tpu()  # the kernels are TPU code in a trace that never runs
     if recipe.model.attn_implementation == "flash":
-        from lowmem_tpu.xla.flash import install
-        from lowmem_tpu.xla.pallas import lower_pallas_for_tpu
-
-        lower_pallas_for_tpu()  # the kernel is TPU code in a trace that never runs
-        install()
+        flash.install()
+    if moe:
+        experts.install(runtime.num_devices)
     model, record["placeholders"] = placeholder_model(recipe, runtime)
     record["_idle"] = _idle_weights(model)
     # With accumulation the program traced is the first micro-batch's forward and backward: it takes

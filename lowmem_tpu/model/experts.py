@@ -22,24 +22,28 @@ import torch
 
 NAME = "static"
 
-# rows [S, in] sorted by expert, weight [E, out, in] (or [E, in, out] when transposed), group sizes [E] int32
+# rows [shards, rows, in] (each shard's sorted by expert), weight [E, out, in] (or [E, in, out] when
+# transposed), group sizes [shards, E] int32 -> [shards, rows, out]
 GroupedMatmul = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], torch.Tensor]
 _kernel: GroupedMatmul | None = None
+_shards = 1
 
 
-def provide_kernel(kernel: GroupedMatmul | None) -> None:
-    """The runtime (``xla.experts``, on a TPU or in a trace for one) hands over the grouped-matmul kernel."""
-    global _kernel
-    _kernel = kernel
+def provide_kernel(kernel: GroupedMatmul | None, shards: int = 1) -> None:
+    """The runtime hands over the grouped-matmul kernel (``xla.experts``, on a TPU or in a trace for one) and
+    the data-parallel shards the batch's tokens are split into (each shard sorts and multiplies its own)."""
+    global _kernel, _shards
+    _kernel, _shards = kernel, shards
 
 
 def reference_grouped_matmul(
     rows: torch.Tensor, weight: torch.Tensor, expert_of_row: torch.Tensor, transposed: bool
 ) -> torch.Tensor:
-    """``rows[i] @ weight[expert_of_row[i]]``, at fixed shapes: every expert over every row, each row's kept."""
-    every = torch.einsum("si,eio->seo" if transposed else "si,eoi->seo", rows, weight)
-    pick = expert_of_row.view(-1, 1, 1).expand(-1, 1, every.shape[-1])
-    return every.gather(1, pick).squeeze(1)
+    """``rows[..., i, :] @ weight[expert_of_row[..., i]]``, at fixed shapes: every expert over every row, each
+    row's kept."""
+    every = torch.einsum("...si,eio->...seo" if transposed else "...si,eoi->...seo", rows, weight)
+    pick = expert_of_row.unsqueeze(-1).unsqueeze(-1).expand(*expert_of_row.shape, 1, every.shape[-1])
+    return every.gather(-2, pick).squeeze(-2)
 
 
 def _project(
@@ -56,17 +60,27 @@ def _project(
     return out
 
 
+def _along_rows(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``values[s, index[s, i]]`` for [shards, n, width] values and [shards, m] indices."""
+    return values.gather(1, index.unsqueeze(-1).expand(*index.shape, values.shape[-1]))
+
+
 def static_experts_forward(
     self: Any, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
-    """transformers' experts forward (``[tokens, hidden]``, the router's top-k experts and weights), static."""
+    """transformers' experts forward (``[tokens, hidden]``, the router's top-k experts and weights), static.
+
+    The tokens split into ``shards`` contiguous blocks (one per device holding them); each sorts its
+    (token, expert) pairs by expert, so a shard's rows and group sizes stay its own."""
     tokens, top_k = top_k_index.shape
-    chosen = top_k_index.reshape(-1)
-    order = torch.argsort(chosen, stable=True)  # rows grouped by expert, each group in token order
-    expert_of_row = chosen[order]
-    rows = hidden_states[torch.div(order, top_k, rounding_mode="floor")]
-    group_sizes = torch.zeros(self.num_experts, dtype=torch.int32, device=chosen.device)
-    group_sizes = group_sizes.scatter_add(0, chosen, torch.ones_like(chosen, dtype=torch.int32))
+    shards = _shards if tokens % _shards == 0 else 1
+    chosen = top_k_index.reshape(shards, -1)  # [shards, rows]
+    order = torch.argsort(chosen, dim=1, stable=True)  # rows grouped by expert, each group in token order
+    expert_of_row = chosen.gather(1, order)
+    hidden = hidden_states.reshape(shards, tokens // shards, -1)
+    rows = _along_rows(hidden, torch.div(order, top_k, rounding_mode="floor"))
+    group_sizes = torch.zeros(shards, self.num_experts, dtype=torch.int32, device=chosen.device)
+    group_sizes = group_sizes.scatter_add(1, chosen, torch.ones_like(chosen, dtype=torch.int32))
     if getattr(self, "has_gate", True):
         inner = self._apply_gate(_project(self, "gate_up_proj", rows, expert_of_row, group_sizes))
     else:
@@ -74,10 +88,10 @@ def static_experts_forward(
     out = _project(self, "down_proj", inner, expert_of_row, group_sizes)
     if getattr(self, "has_post_expert_norm", False):
         out = self.post_expert_norm(out)
-    out = out * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(out.dtype)
-    places = torch.arange(order.shape[0], device=order.device)
-    back = out[torch.zeros_like(order).scatter(0, order, places)]  # each row to its (token, slot) place again
-    return back.view(tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
+    out = out * top_k_weights.reshape(shards, -1).gather(1, order).unsqueeze(-1).to(out.dtype)
+    places = torch.arange(order.shape[1], device=order.device).expand_as(order)
+    back = _along_rows(out, torch.zeros_like(order).scatter(1, order, places))  # rows to their (token, slot)
+    return back.reshape(tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
 
 
 def register() -> None:

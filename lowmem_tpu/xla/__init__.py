@@ -5,7 +5,8 @@ answers questions about the devices (kind, memory, a tensor's sharding), ``tpu``
 without torch_xla (the chips on the PCI bus, libtpu's HBM metrics, which under SPMD torch_xla cannot give),
 ``sharding`` places and wraps the model (FSDPv2 with per-layer checkpointing; ``shared_kv`` checkpoints layers
 that share K/V, Gemma 4's), ``scan`` scans one compiled layer over all of them (``extras`` checks the [scan]
-extra it needs), ``flash`` is torch_xla's Pallas attention kernel (``pallas`` lowers it for a TPU in a trace),
+extra it needs), ``flash`` is torch_xla's Pallas attention kernel and ``experts`` megablox's grouped matmuls
+behind a MoE layer (``pallas`` lowers both for a TPU in a trace),
 ``transfer`` copies device tensors to the host and ``sharded_state`` writes and reads sharded state
 (torch.distributed.checkpoint). The catalog of TPU VMs is plain data in ``config.devices``.
 

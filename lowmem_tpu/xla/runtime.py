@@ -132,12 +132,16 @@ def setup_runtime(cfg: RuntimeSection) -> Runtime:
     from lowmem_tpu.model.ordering import provide_barrier
 
     provide_barrier(xm.optimization_barrier_)  # the chunked loss's and attention's blocks, in turn
+    from lowmem_tpu.model.experts import provide_kernel
+
+    provide_kernel(None, num_devices)  # a MoE layer's tokens sorted per device, multiplied by the reference
     if platform == "TPU":
         _join_hosts(xr)
         _check_target(cfg.target, kind, num_devices)
-        from lowmem_tpu.xla.flash import install
+        from lowmem_tpu.xla import experts, flash
 
-        install()  # the Pallas kernel behind model.attn_implementation: flash
+        flash.install()  # the Pallas kernel behind model.attn_implementation: flash
+        experts.install(num_devices)  # megablox's grouped matmuls behind a MoE layer's static experts
     return Runtime(platform, num_devices, device, mesh, cache_dir, kind, memory_monitor(platform))
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from cli_runs import command_cli
 from transformers import AutoModelForCausalLM
@@ -68,3 +69,63 @@ def test_checkpointing_keeps_every_gradient_of_the_experts(stand_ins):
         assert plain.keys() == checkpointed.keys()
         for name, grad in plain.items():
             assert (checkpointed[name] - grad).abs().max() <= 1e-4 * grad.abs().max() + 1e-8, (checkpointing, name)
+
+
+def test_the_sharded_grouped_matmul_equals_the_reference_forward_and_backward(stand_ins):
+    """xla.experts' manual sharding and backward (rows' gradient, the stack's summed over devices), with the
+    kernels' contract in plain torch (megablox's run on a TPU only: the TPU compiler compiles them in
+    e2e/test_tpu_only_paths.py), against the reference on the same 4 devices: full fine-tuning's gradients."""
+    from lowmem_tpu.model import experts
+    from lowmem_tpu.xla import experts as xla_experts
+    from lowmem_tpu.xla.runtime import setup_runtime, sync
+    from lowmem_tpu.xla.sharding import place_parameters
+
+    runtime = setup_runtime(RuntimeSection(device="cpu", num_cpu_devices=4))
+    ids = torch.randint(3, 500, (4, 16), generator=torch.Generator().manual_seed(0))
+    results = []
+    try:
+        for kernel in (None, xla_experts.sharded_kernel(xla_experts.local_gmm, xla_experts.local_tgmm)):
+            experts.provide_kernel(kernel, runtime.num_devices)
+            cfg = ModelSection(name_or_path=str(stand_ins["qwen3_moe"]), dtype="float32")
+            model = build_base_model(cfg).requires_grad_(True)
+            place_parameters(model, runtime, "fsdp")
+            batch = ids.to(runtime.device)
+            out = model(input_ids=batch, labels=batch)
+            out.loss.backward()
+            sync()
+            grads = {n: p.grad.cpu() for n, p in model.named_parameters() if p.grad is not None}
+            results.append((out.logits.detach().cpu(), grads))
+    finally:
+        experts.provide_kernel(None, runtime.num_devices)
+    (reference, expected), (logits, grads) = results
+    assert (logits - reference).abs().max() <= 1e-5 * reference.abs().max()
+    assert expected.keys() == grads.keys() and sum(".experts." in n for n in grads) == 4
+    for name, grad in expected.items():
+        assert (grads[name] - grad).abs().max() <= 1e-5 * grad.abs().max() + 1e-9, name
+
+
+@pytest.mark.tpu
+def test_megablox_grouped_matmuls_on_a_tpu_equal_the_reference(stand_ins):  # pragma: no cover - TPU only
+    """The TPU kernel (gmm, tgmm) under SPMD against the reference, logits and every gradient, in fp32."""
+    from lowmem_tpu.model import experts
+    from lowmem_tpu.xla.runtime import setup_runtime, sync
+    from lowmem_tpu.xla.sharding import place_parameters
+
+    runtime = setup_runtime(RuntimeSection(device="tpu"))  # installs the kernel
+    kernel = experts._kernel
+    ids = torch.randint(3, 500, (runtime.num_devices, 32), generator=torch.Generator().manual_seed(0))
+    results = []
+    for provided in (None, kernel):
+        experts.provide_kernel(provided, runtime.num_devices)
+        model = build_base_model(ModelSection(name_or_path=str(stand_ins["qwen3_moe"]), dtype="float32"))
+        model.requires_grad_(True)
+        place_parameters(model, runtime, "fsdp")
+        batch = ids.to(runtime.device)
+        out = model(input_ids=batch, labels=batch)
+        out.loss.backward()
+        sync()
+        results.append((out.logits.cpu(), {n: p.grad.cpu() for n, p in model.named_parameters() if p.grad is not None}))
+    (reference, expected), (logits, grads) = results
+    assert (logits - reference).abs().max() <= 1e-3 * reference.abs().max()
+    for name, grad in expected.items():
+        assert (grads[name] - grad).abs().max() <= 1e-3 * grad.abs().max() + 1e-7, name

@@ -70,3 +70,14 @@ def test_a_flash_step_compiles_for_a_tpu_with_its_kernels(flash_step):
     # Each layer: the forward kernel, its recomputation under checkpointing, and the two backward kernels.
     assert flash_step["kernels"] == 4 * layers
     assert flash_step["fits"] and flash_step["needed"] > 0 and flash_step["scratch"] > 0
+
+
+def test_a_moe_step_compiles_for_a_tpu_with_megablox_grouped_matmuls(stand_ins):
+    """LoRA on the Qwen 3 MoE stand-in's experts: each layer's two projections run megablox's gmm forward, again
+    in the checkpointed recomputation, and gmm (the rows') and tgmm (the stack's, as PEFT folds LoRA into it)
+    backward: 8 kernels a layer, compiled by libtpu for Kaggle's v5e-8."""
+    over = [f"model.name_or_path={stand_ins['qwen3_moe']}", "model.dtype=bfloat16"]
+    done = cli("memory", TINY, "--compile", "--target", "v5e-8", "--json", *over)
+    assert done.returncode == 0, done.stderr[-3000:]
+    step = json.loads(done.stdout)
+    assert step["fits"] and step["kernels"] == 8 * 2
