@@ -203,6 +203,10 @@ def plan_recipe(recipe: Recipe, device: str, config: Any) -> MemoryReport:
 # ----------------------------------------------------------------------------- output
 
 
+def _code(plan: Plan) -> str:
+    return "; the experts' kernel code" if plan.kernel_code else ""
+
+
 def _mode(st: Setting) -> str:
     if not st.lora:
         return "full fine-tuning"
@@ -234,7 +238,10 @@ def plan_rows(plan: Plan) -> list[tuple[str, int]]:
             plan.activations_not_checkpointed if st.checkpointing else plan.activations_checkpointed,
         ),
         (f"logits / loss buffers ({_loss_kind(st)})", plan.logits),
-        (f"XLA workspace (LM head{' and a layer' if plan.layout == 'tpu' else ''} gathered)", plan.workspace),
+        (
+            f"XLA workspace (LM head{' and a layer' if plan.layout == 'tpu' else ''} gathered{_code(plan)})",
+            plan.workspace,
+        ),
         *([(_quantized_label(plan), plan.dequantized)] if plan.dequantized else []),
     ]
     if not st.lora:

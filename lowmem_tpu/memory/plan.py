@@ -157,12 +157,14 @@ class Plan:
     activations_not_checkpointed: int
     dropout_masks: int  # part of activations: LoRA dropout's random bits (see dropout_masks)
     logits: int
-    workspace: int  # the LM head gathered whole for the logits (FSDP, more than one device); TPU: and a layer
+    workspace: int  # the LM head gathered whole for the logits (FSDP, more than one device); TPU: and a layer,
+    # and a MoE model's grouped-matmul kernels' programs
     gradient_phase: int  # gradients at the end of the backward pass (CPU: all-reduced whole, not sharded)
     dequantized: int  # a quantized base's transient (CPU: dequantized weights; TPU: its layers' extra activations)
     peak: int
     margin: int
     capacity: int  # memory per device
+    kernel_code: int = 0  # part of workspace: a MoE model's grouped-matmul kernels' programs (TPU)
 
     @property
     def persistent(self) -> int:
@@ -269,7 +271,8 @@ def tpu_plan(s: Shape, st: Setting, capacity: int) -> Plan:
         + dropout_masks(s, replace(st, checkpointing=False), "tpu"),
         dropout_masks=dropout,
         logits=t.logits,
-        workspace=t.gathered,
+        workspace=t.gathered + t.code,
+        kernel_code=t.code,
         gradient_phase=gradients + t.gradients,
         dequantized=t.dequantized,
         peak=peak,

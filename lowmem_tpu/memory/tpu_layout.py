@@ -81,6 +81,7 @@ class TpuTransients:
     layer: int  # the layer in hand: recomputed activations, probabilities, the MLP's fp32 gradients
     logits: int
     gathered: int  # FSDP over several chips: the head and one layer's weights gathered whole
+    code: int  # a MoE model's grouped-matmul kernels' programs
     gradients: int  # full fine-tuning: every layer's gradient copies held for the optimizer
     dequantized: int
 
@@ -92,7 +93,7 @@ class TpuTransients:
         # The head's backward comes first: no layer's gradient exists yet when the loss's buffers are live.
         loss_phase = self.kept + self.logits
         layer_phase = max(self.kept - self.freed_before_recompute + self.layer, self.kept + self.workspace)
-        return max(loss_phase, layer_phase + self.gradients) + self.gathered + self.dequantized
+        return max(loss_phase, layer_phase + self.gradients) + self.gathered + self.code + self.dequantized
 
 
 # A step unlike those the layout is read off keeps more than planned: up to 81% more (Open Llama 3B's LoRA step
@@ -317,6 +318,17 @@ def gathered(s: Shape, st: Setting) -> int:
     return head + layer
 
 
+# The programs of one MoE layer's grouped-matmul kernels (megablox's gmm and tgmm: forward, recomputation, the
+# rows' and the stack's backward), in HBM with the step: the 2 -> 4 layer slope of generated code in
+# docs/tpu_compile.json's qwen3_30b_a3b_lora_v5e8 record (51 MB a layer).
+EXPERT_KERNEL_CODE = 51 * 2**20
+
+
+def kernel_code(s: Shape) -> int:
+    """A MoE model's grouped-matmul kernels' programs, one set per MoE layer."""
+    return EXPERT_KERNEL_CODE * len(s.experts.layers) if s.experts else 0
+
+
 def gradient_copies(s: Shape, st: Setting, trained_elements_per_chip: int) -> int:
     """Full fine-tuning: every trained element's gradient copy held until the optimizer's update."""
     return 0 if st.lora else trained_elements_per_chip * GRADIENT_COPY_BYTES
@@ -332,6 +344,7 @@ def transients(s: Shape, st: Setting, trained_elements_per_chip: int) -> TpuTran
         workspace=backward_workspace(s, st),
         logits=logits(s, st),
         gathered=gathered(s, st),
+        code=kernel_code(s),
         gradients=gradient_copies(s, st, trained_elements_per_chip),
         dequantized=dequantized(s, st),
     )
