@@ -162,6 +162,7 @@ FAMILIES = {
     "llama": "Llama (Open Llama, Llama 2/3)",
     "qwen2": "Qwen 2.5",
     "qwen3": "Qwen 3",
+    "qwen3_moe": "Qwen 3 MoE",
     "gemma2": "Gemma 2",
     "gemma3_text": "Gemma 3",
     "gemma4_text": "Gemma 4",

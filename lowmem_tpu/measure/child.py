@@ -234,18 +234,20 @@ def _trace_hook(record: dict[str, Any], result: Path) -> Any:
 def _idle_weights(model: Any) -> Any:
     """A function giving the weights of every module the step did not run (a multimodal checkpoint's vision
     tower when training on text): they sit in HBM, sharded like the rest, but are no argument of the step.
-    The LM head counts as run: the chunked loss reads its weight without calling it; so does every trainable
-    weight (PEFT reads a stacked expert's LoRA weights without calling their modules)."""
+    The LM head counts as run: the chunked loss reads its weight without calling it; so do the LoRA weights
+    of a stacked expert that ran (PEFT reads them without calling their modules)."""
     ran: set[int] = set()
     holders = [m for m in model.modules() if next(m.parameters(recurse=False), None) is not None]
-    for module in holders:
+    folding = [m for m in model.modules() if hasattr(m, "parameter_name") and hasattr(m, "lora_A")]
+    for module in (*holders, *folding):
         module.register_forward_hook(lambda m, args, out: ran.add(id(m)))
     head = model.get_output_embeddings()
 
     def idle() -> list[Any]:
         used = {id(p) for m in holders if id(m) in ran for p in m.parameters(recurse=False)}
+        used |= {id(p) for m in folding if id(m) in ran for p in m.parameters()}
         used |= {id(p) for p in (head.parameters() if head is not None else [])}
-        return list({id(p): p for p in model.parameters() if id(p) not in used and not p.requires_grad}.values())
+        return list({id(p): p for p in model.parameters() if id(p) not in used}.values())
 
     return idle
 

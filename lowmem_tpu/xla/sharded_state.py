@@ -55,7 +55,10 @@ def write(fetched: dict[str, Any], directory: Path) -> None:
     import torch.distributed.checkpoint as dcp
     from torch_xla.experimental.distributed_checkpoint import SPMDSavePlanner
 
-    writer = dcp.FileSystemWriter(str(directory), single_file_per_rank=True)
+    # Host tensors are copied in turn (no copy-ahead): DCP's overlapping loader asks the device module of
+    # the registered privateuse1 backend for a stream, and torchax (a MoE model's TPU kernels need it, and
+    # torch_xla imports it whenever it is installed) registers one without streams.
+    writer = dcp.FileSystemWriter(str(directory), single_file_per_rank=True, per_thread_copy_ahead=0)
     with warnings.catch_warnings():  # DCP warns that one process without a group is one process
         warnings.simplefilter("ignore", UserWarning)
         dcp.save(fetched, storage_writer=writer, planner=SPMDSavePlanner(), no_dist=not hosts.several())

@@ -43,7 +43,7 @@ def assert_read_back(report: dict, types: tuple[str, ...]) -> None:
         assert same == total and int(total) > 0, entry["check"]["llama.cpp"]
 
 
-@pytest.mark.parametrize("family", ["llama3", "qwen2", "qwen3", "gemma2", "gemma3_multimodal", "phi4"])
+@pytest.mark.parametrize("family", ["llama3", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3_multimodal", "phi4"])
 def test_each_family_reads_back_in_transformers_and_llama_cpp(family, tmp_path):
     source = make_family(tmp_path / family, family)
     report = export_gguf(source, ["f32", "q8_0"], tmp_path / "out")

@@ -35,6 +35,7 @@ FAMILIES = {
     "mistral": Family("llama", interleave_qk=True),
     "qwen2": Family("qwen2"),
     "qwen3": Family("qwen3"),
+    "qwen3_moe": Family("qwen3moe"),
     "gemma2": Family("gemma2", norm_plus_one=True),
     "gemma3_text": Family("gemma3", norm_plus_one=True),
     "phi3": Family("phi3"),
@@ -80,6 +81,8 @@ def check_describable(config: Any) -> None:
             f"GGUF export writes linear and Llama 3 rotary scaling; this model's is {kind!r}, which llama.cpp "
             "would read differently from transformers. Serve the merged safetensors model instead (vLLM)"
         )
+    if family.arch == "qwen3moe":
+        _qwen3moe_routing(text)
     if family.arch in GEMMA_27B_LAYERS:
         _gemma_scale(family.arch, text)
         if sliding_rope and sliding_rope.get("rope_type", "default") != "default":
@@ -87,6 +90,17 @@ def check_describable(config: Any) -> None:
                 "the sliding layers' rotary scaling is not one llama.cpp applies; no GGUF was written. Serve the "
                 "merged safetensors model instead (vLLM)"
             )
+
+
+def _qwen3moe_routing(text: Any) -> None:
+    """llama.cpp's qwen3moe routes every layer's tokens to experts and renormalizes the top-k weights."""
+    dense = getattr(text, "mlp_only_layers", None) or []
+    if dense or (getattr(text, "decoder_sparse_step", 1) or 1) != 1 or not getattr(text, "norm_topk_prob", True):
+        raise UserError(
+            "llama.cpp's qwen3moe puts experts in every layer and renormalizes the chosen experts' weights; this "
+            "model has dense layers or keeps the weights as the router gives them, so no GGUF was written. Serve "
+            "the merged safetensors model instead (vLLM)"
+        )
 
 
 def _gemma_scale(arch: str, text: Any) -> None:
@@ -115,6 +129,10 @@ def add_hyperparameters(writer: Any, family: Any, text: Any) -> list[tuple[str, 
     writer.add_value_length(dim)
     writer.add_layer_norm_rms_eps(text.rms_norm_eps)
     writer.add_vocab_size(text.vocab_size)
+    if family.arch == "qwen3moe":
+        writer.add_expert_count(text.num_experts)
+        writer.add_expert_used_count(text.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(text.moe_intermediate_size)
     rope, sliding_rope = _rope(text)
     rotary = int(dim * rope.get("partial_rotary_factor", getattr(text, "partial_rotary_factor", None) or 1.0))
     writer.add_rope_dimension_count(rotary)

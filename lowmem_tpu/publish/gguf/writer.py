@@ -10,6 +10,7 @@ metadata, with the chat template.
 
 from __future__ import annotations
 
+import re
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -65,7 +66,7 @@ def gguf_tensors(directory: Path, family: Family, text: Any) -> Iterator[tuple[s
     files = weight_files(directory)
     if not files:
         raise UserError(f"{directory} holds no model weights (model.safetensors or pytorch_model.bin)")
-    for raw, tensor in read_tensors(files):
+    for raw, tensor in _experts_stacked(read_tensors(files), getattr(text, "num_experts", 0) or 0):
         name = hf_name(raw)
         if name is None or (tied and name == "lm_head.weight") or name.endswith("rotary_emb.inv_freq"):
             continue
@@ -76,6 +77,38 @@ def gguf_tensors(directory: Path, family: Family, text: Any) -> Iterator[tuple[s
                 "this checkpoint is not the architecture its config names"
             )
         yield mapped, _converted(mapped, tensor.float().numpy(), family, text)
+
+
+EXPERT_KEY = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def _experts_stacked(tensors: Iterator[tuple[str, Any]], experts: int) -> Iterator[tuple[str, Any]]:
+    """The checkpoint's tensors with each projection's experts stacked as llama.cpp reads them
+    (``experts.gate_proj.weight`` [experts, inner, hidden]): the Hub's one key per expert gathered, one layer's
+    projection at a time, or a stacked ``gate_up_proj`` split into its gate and up halves."""
+    import torch
+
+    waiting: dict[str, dict[int, Any]] = {}
+    for name, tensor in tensors:
+        found = EXPERT_KEY.match(name)
+        if found is None:
+            if experts and name.endswith(".experts.gate_up_proj"):
+                gate, up = tensor.chunk(2, dim=1)
+                yield name.removesuffix("gate_up_proj") + "gate_proj.weight", gate
+                yield name.removesuffix("gate_up_proj") + "up_proj.weight", up
+            elif experts and name.endswith(".experts.down_proj"):
+                yield f"{name}.weight", tensor
+            else:
+                yield name, tensor
+            continue
+        stack = f"{found.group(1)}.{found.group(3)}.weight"
+        waiting.setdefault(stack, {})[int(found.group(2))] = tensor
+        if len(waiting[stack]) == experts:
+            parts = waiting.pop(stack)
+            yield stack, torch.stack([parts[e] for e in range(experts)])
+    if waiting:
+        stack, parts = next(iter(waiting.items()))
+        raise UserError(f"the checkpoint holds {len(parts)} of {experts} experts of {stack}; is it whole?")
 
 
 def _converted(name: str, data: np.ndarray, family: Family, text: Any) -> np.ndarray:
