@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from lowmem_tpu.errors import UserError
 from lowmem_tpu.model.ordering import after
 
 LANE = 128
@@ -143,13 +144,31 @@ def sharded_kernel(gmm: Gmm = tpu_gmm, tgmm: Tgmm = tpu_tgmm) -> Callable[..., t
             )
             return grad_rows, grad_weight, None, None
 
+    checked = [gmm is not tpu_gmm]
+
     def kernel(rows: torch.Tensor, weight: torch.Tensor, sizes: torch.Tensor, transposed: bool) -> torch.Tensor:
+        if not checked[0]:
+            require_torchax()
+            checked[0] = True
         # The stack is gathered whole for the region; made to wait for this layer's rows, a checkpointed
         # layer's recomputation gathers it again instead of XLA keeping the forward's gathered copy (the
         # same ops on the same parameter) alive until the backward: 1.2 GB a layer for Qwen3-30B-A3B.
         return GroupedMatmul.apply(rows, after(weight, rows.flatten()[0]), sizes, transposed)
 
     return kernel
+
+
+def require_torchax() -> None:
+    """torch_xla 2.9 runs the megablox kernels through ``call_jax``, which needs torchax (the tpu, compiler and
+    dev extras install it); its wheel's bundled copy needs flax and does not import."""
+    try:
+        import torchax  # noqa: F401  (imports jax)
+    except ImportError as err:
+        raise UserError(
+            f"a MoE model's TPU kernels (megablox's grouped matmuls, through torch_xla's call_jax) need jax and "
+            f"torchax ({err}); install them with: pip install -c constraints.txt -e '.[tpu]' (on a TPU VM) or "
+            "'.[compiler]' (for memory --compile)"
+        ) from None
 
 
 def install(devices: int, kernel: Callable[..., torch.Tensor] | None = None) -> None:
