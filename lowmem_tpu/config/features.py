@@ -64,6 +64,7 @@ class Attention:
     model_type: str = "this model"
     window: int | None = None
     softcap: float | None = None
+    routed: bool = False  # a MoE model: transformers' load-balancing loss reads the mask as [batch, length]
 
     def features(self, length: int) -> list[str]:
         """What rows of ``length`` tokens meet beyond causal attention, in words (empty: nothing)."""
@@ -92,7 +93,13 @@ class Attention:
     def packed_mask_refusal(self, length: int) -> str | None:
         """Why eager/sdpa attention cannot take packed rows of ``length`` tokens, or None: packed rows reach
         them as one [length, length] mask (``model.attention.packed_mask``), which transformers uses as given,
-        in place of the window it would build."""
+        in place of the window it would build, and which a MoE model's load-balancing loss cannot read."""
+        if self.routed:
+            return (
+                f"data.packing: packed rows reach eager/sdpa attention as one [length, length] mask, and "
+                f"{self.model_type}'s load-balancing loss reads the mask as [batch, length]; use "
+                "model.attn_implementation: chunked (or flash on a TPU), or data.packing: false"
+            )
         if self.window is None or self.window >= length:
             return None
         return (
@@ -118,6 +125,7 @@ def attention_of(config: Any) -> Attention:
         model_type=getattr(text, "model_type", None) or "this model",
         window=sliding_window(config),
         softcap=getattr(text, "attn_logit_softcapping", None) or None,
+        routed=experts_of(config) is not None,
     )
 
 

@@ -44,64 +44,49 @@ def test_lora_on_the_experts_trains_on_xla_and_merges(stand_ins, tmp_path):
     assert any(".experts.down_proj" in n for n in changed)
 
 
-def test_checkpointing_keeps_every_gradient_of_the_experts(stand_ins):
-    """Full fine-tuning: checkpointing every layer and one in two gives the gradients of no checkpointing."""
+def test_checkpointing_and_the_sharded_kernel_keep_every_gradient_of_full_fine_tuning(stand_ins):
+    """On 4 XLA devices, against the reference experts without checkpointing: checkpointing every layer and one
+    in two, and xla.experts' manual sharding and backward (the rows' gradient, the stack's summed over
+    devices) with the kernels' contract in plain torch (megablox's run on a TPU only: the TPU compiler
+    compiles them in e2e/test_tpu_only_paths.py): the same logits and gradients."""
+    from lowmem_tpu.model import experts
     from lowmem_tpu.model.names import ParamNames
+    from lowmem_tpu.xla import experts as xla_experts
     from lowmem_tpu.xla.runtime import setup_runtime, sync
     from lowmem_tpu.xla.sharding import place_parameters, wrap_model
 
     runtime = setup_runtime(RuntimeSection(device="cpu", num_cpu_devices=4))
     ids = torch.randint(3, 500, (4, 24), generator=torch.Generator().manual_seed(2))
-    grads = {}
-    for checkpointing in (False, True, "every_2"):
-        cfg = ModelSection(name_or_path=str(stand_ins["qwen3_moe"]), dtype="float32", attn_implementation="chunked")
-        model = build_base_model(cfg).requires_grad_(True)
-        place_parameters(model, runtime, "fsdp")
-        names = ParamNames(model)
-        wrapped = wrap_model(model, ShardingSection(activation_checkpointing=checkpointing), runtime)
-        batch = ids.to(runtime.device)
-        wrapped(input_ids=batch, labels=batch).loss.backward()
-        sync()
-        grads[checkpointing] = {name: p.grad.cpu() for name, p in names.params.items() if p.grad is not None}
-    plain = grads.pop(False)
-    assert sum(".experts." in name for name in plain) == 4 and any(".mlp.gate." in name for name in plain)
-    for checkpointing, checkpointed in grads.items():
-        assert plain.keys() == checkpointed.keys()
-        for name, grad in plain.items():
-            assert (checkpointed[name] - grad).abs().max() <= 1e-4 * grad.abs().max() + 1e-8, (checkpointing, name)
-
-
-def test_the_sharded_grouped_matmul_equals_the_reference_forward_and_backward(stand_ins):
-    """xla.experts' manual sharding and backward (rows' gradient, the stack's summed over devices), with the
-    kernels' contract in plain torch (megablox's run on a TPU only: the TPU compiler compiles them in
-    e2e/test_tpu_only_paths.py), against the reference on the same 4 devices: full fine-tuning's gradients."""
-    from lowmem_tpu.model import experts
-    from lowmem_tpu.xla import experts as xla_experts
-    from lowmem_tpu.xla.runtime import setup_runtime, sync
-    from lowmem_tpu.xla.sharding import place_parameters
-
-    runtime = setup_runtime(RuntimeSection(device="cpu", num_cpu_devices=4))
-    ids = torch.randint(3, 500, (4, 16), generator=torch.Generator().manual_seed(0))
-    results = []
+    sharded = xla_experts.sharded_kernel(xla_experts.local_gmm, xla_experts.local_tgmm)
+    results = {}
     try:
-        for kernel in (None, xla_experts.sharded_kernel(xla_experts.local_gmm, xla_experts.local_tgmm)):
+        for name, checkpointing, kernel in (
+            ("plain", False, None),
+            ("every layer", True, None),
+            ("every_2", "every_2", None),
+            ("sharded kernel", False, sharded),
+        ):
             experts.provide_kernel(kernel, runtime.num_devices)
-            cfg = ModelSection(name_or_path=str(stand_ins["qwen3_moe"]), dtype="float32")
+            cfg = ModelSection(name_or_path=str(stand_ins["qwen3_moe"]), dtype="float32", attn_implementation="chunked")
             model = build_base_model(cfg).requires_grad_(True)
             place_parameters(model, runtime, "fsdp")
+            names = ParamNames(model)
+            wrapped = wrap_model(model, ShardingSection(activation_checkpointing=checkpointing), runtime)
             batch = ids.to(runtime.device)
-            out = model(input_ids=batch, labels=batch)
+            out = wrapped(input_ids=batch, labels=batch)
             out.loss.backward()
             sync()
-            grads = {n: p.grad.cpu() for n, p in model.named_parameters() if p.grad is not None}
-            results.append((out.logits.detach().cpu(), grads))
+            grads = {n: p.grad.cpu() for n, p in names.params.items() if p.grad is not None}
+            results[name] = (out.logits.detach().cpu(), grads)
     finally:
         experts.provide_kernel(None, runtime.num_devices)
-    (reference, expected), (logits, grads) = results
-    assert (logits - reference).abs().max() <= 1e-5 * reference.abs().max()
-    assert expected.keys() == grads.keys() and sum(".experts." in n for n in grads) == 4
-    for name, grad in expected.items():
-        assert (grads[name] - grad).abs().max() <= 1e-5 * grad.abs().max() + 1e-9, name
+    reference, plain = results.pop("plain")
+    assert sum(".experts." in name for name in plain) == 4 and any(".mlp.gate." in name for name in plain)
+    for name, (logits, grads) in results.items():
+        assert (logits - reference).abs().max() <= 1e-5 * reference.abs().max(), name
+        assert plain.keys() == grads.keys()
+        for param, grad in plain.items():
+            assert (grads[param] - grad).abs().max() <= 1e-4 * grad.abs().max() + 1e-8, (name, param)
 
 
 @pytest.mark.tpu

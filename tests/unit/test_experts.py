@@ -128,3 +128,13 @@ def test_quantizing_a_moe_base_is_refused_rather_than_leaving_its_experts_in_bf1
     for weights in ("checkpoint", "random"):  # quantized as read, or after a random init
         with pytest.raises(UserError, match=r"stacked experts"):
             quantize_base(build_base_model(recipe.model, weights=weights), recipe.model)
+
+
+def test_packed_rows_with_eager_attention_are_refused_for_the_load_balancing_loss(stand_ins):
+    from lowmem_tpu.config import load_recipe
+    from lowmem_tpu.model.architecture import check_model
+
+    base = [f"model.name_or_path={stand_ins['qwen3_moe']}", "data.packing=true"]
+    with pytest.raises(UserError, match=r"load-balancing loss reads the mask as \[batch, length\].*chunked"):
+        check_model(load_recipe(None, [*base, "model.attn_implementation=eager"]))
+    check_model(load_recipe(None, [*base, "model.attn_implementation=chunked"]))
