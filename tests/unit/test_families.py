@@ -33,18 +33,26 @@ def test_the_base_equals_from_pretrained(stand_ins, name, dtype):
     assert ours.generation_config.eos_token_id == reference.generation_config.eos_token_id
 
 
-def test_a_checkpoint_missing_a_weight_is_refused(stand_ins, tmp_path):
+@pytest.mark.parametrize(
+    ("name", "key", "missing"),
+    [
+        ("gemma2", "model.embed_tokens.weight", r"1 parameters.*embed_tokens"),  # the LM head is tied to it
+        ("qwen3_moe", "model.layers.1.mlp.experts.5.up_proj.weight", r"1 parameters.*layers\.1\.mlp\.experts\.gate_up"),
+    ],
+)
+def test_a_checkpoint_missing_a_weight_is_refused(stand_ins, tmp_path, name, key, missing):
+    """A missing tensor, or one expert of the Hub's one key per expert, is named, never initialised."""
     from safetensors.torch import load_file, save_file
 
-    source = stand_ins["gemma2"]
-    broken = tmp_path / "gemma2"
+    source = stand_ins[name]
+    broken = tmp_path / name
     broken.mkdir()
     for item in source.iterdir():
         (broken / item.name).write_bytes(item.read_bytes())
     tensors = load_file(source / "model.safetensors")
-    del tensors["model.embed_tokens.weight"]  # the LM head is tied to it: one parameter
+    del tensors[key]
     save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(UserError, match=r"lacks weights for 1 parameters.*embed_tokens"):
+    with pytest.raises(UserError, match=rf"lacks weights for {missing}"):
         build_base_model(ModelSection(name_or_path=str(broken), dtype="float32"))
 
 
