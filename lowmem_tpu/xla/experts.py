@@ -88,14 +88,21 @@ def _manual(fn: Callable[..., torch.Tensor], specs: tuple[tuple, ...], out_spec:
     return lambda *tensors: mapped(*(t * 1 for t in tensors))
 
 
-ROWS, STACK, SIZES = ("fsdp", None, None), (None, None, None), ("fsdp", None)
+STACK = (None, None, None)
+
+
+def _split(rows: torch.Tensor) -> str | None:
+    """The mesh axis the shards are split over: ``fsdp``, or none where the tokens came as one shard (a batch
+    the devices do not divide, as one generated token): then every device computes all of them."""
+    return "fsdp" if rows.shape[0] > 1 else None
 
 
 def _forward(gmm: Gmm, rows: torch.Tensor, weight: torch.Tensor, sizes: torch.Tensor, transposed: bool) -> Any:
     def shard(r: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
         return gmm(r[0], w, s[0], not transposed)[None]
 
-    return _manual(shard, (ROWS, STACK, SIZES), ROWS)(rows, weight, sizes)
+    axis = _split(rows)
+    return _manual(shard, ((axis, None, None), STACK, (axis, None)), (axis, None, None))(rows, weight, sizes)
 
 
 def _backward(
@@ -108,11 +115,13 @@ def _backward(
     stack_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     gmm, tgmm = kernels
+    axis = _split(rows)
+    split, counts = (axis, None, None), (axis, None)
 
     def rows_grad(g: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
         return gmm(g[0], w, s[0], transposed)[None]
 
-    grad_rows = _manual(rows_grad, (ROWS, STACK, SIZES), ROWS)(grad, weight, sizes)
+    grad_rows = _manual(rows_grad, (split, STACK, counts), split)(grad, weight, sizes)
     if not stack_grad:
         return grad_rows, None
 
@@ -121,7 +130,7 @@ def _backward(
         part = tgmm(r[0].t(), g[0], s[0]) if transposed else tgmm(g[0].t(), r[0], s[0])
         return part[None]
 
-    shares = _manual(weight_grad, (ROWS, ROWS, SIZES), ("fsdp", None, None, None))(grad, rows, sizes)
+    shares = _manual(weight_grad, (split, split, counts), (axis, None, None, None))(grad, rows, sizes)
     return grad_rows, shares.sum(0)
 
 

@@ -48,7 +48,8 @@ def test_checkpointing_and_the_sharded_kernel_keep_every_gradient_of_full_fine_t
     """On 4 XLA devices, against the reference experts without checkpointing: checkpointing every layer and one
     in two, and xla.experts' manual sharding and backward (the rows' gradient, the stack's summed over
     devices) with the kernels' contract in plain torch (megablox's run on a TPU only: the TPU compiler
-    compiles them in e2e/test_tpu_only_paths.py): the same logits and gradients."""
+    compiles them in e2e/test_tpu_only_paths.py): the same logits and gradients; and the kernel on tokens the
+    devices do not divide (one shard, computed on each device) gives the reference's logits."""
     from lowmem_tpu.model import experts
     from lowmem_tpu.model.names import ParamNames
     from lowmem_tpu.xla import experts as xla_experts
@@ -78,8 +79,16 @@ def test_checkpointing_and_the_sharded_kernel_keep_every_gradient_of_full_fine_t
             sync()
             grads = {n: p.grad.cpu() for n, p in names.params.items() if p.grad is not None}
             results[name] = (out.logits.detach().cpu(), grads)
+            if kernel is not None:  # 15 tokens, which 4 devices do not divide: one shard, computed on each
+                odd = ids[:1, :15].to(runtime.device)
+                results["one shard"] = (wrapped(input_ids=odd).logits.detach().cpu(), None)
+                experts.provide_kernel(None, runtime.num_devices)
+                results["one shard, reference"] = (wrapped(input_ids=odd).logits.detach().cpu(), None)
     finally:
         experts.provide_kernel(None, runtime.num_devices)
+    odd, _ = results.pop("one shard")
+    odd_reference, _ = results.pop("one shard, reference")
+    assert (odd - odd_reference).abs().max() <= 1e-5 * odd_reference.abs().max()
     reference, plain = results.pop("plain")
     assert sum(".experts." in name for name in plain) == 4 and any(".mlp.gate." in name for name in plain)
     for name, (logits, grads) in results.items():
