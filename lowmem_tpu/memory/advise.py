@@ -203,10 +203,6 @@ def plan_recipe(recipe: Recipe, device: str, config: Any) -> MemoryReport:
 # ----------------------------------------------------------------------------- output
 
 
-def _code(plan: Plan) -> str:
-    return "; the experts' kernel code" if plan.kernel_code else ""
-
-
 def _mode(st: Setting) -> str:
     if not st.lora:
         return "full fine-tuning"
@@ -227,6 +223,7 @@ def plan_rows(plan: Plan) -> list[tuple[str, int]]:
     ckpt = every if st.checkpointing else "off"
     scales = ("8-bit maxima" if st.double_quant else "fp32 maxima") if st.quantize == "nf4" else f"{st.dtype} scales"
     base = f" ({st.quantize} base + {scales})" if plan.dequantized else ""
+    code = "; the experts' kernel code" if plan.kernel_code else ""
     rows = [
         (f"weights{base}", plan.weights),
         ("gradients", plan.gradients),
@@ -239,7 +236,7 @@ def plan_rows(plan: Plan) -> list[tuple[str, int]]:
         ),
         (f"logits / loss buffers ({_loss_kind(st)})", plan.logits),
         (
-            f"XLA workspace (LM head{' and a layer' if plan.layout == 'tpu' else ''} gathered{_code(plan)})",
+            f"XLA workspace (LM head{' and a layer' if plan.layout == 'tpu' else ''} gathered{code})",
             plan.workspace,
         ),
         *([(_quantized_label(plan), plan.dequantized)] if plan.dequantized else []),
@@ -296,7 +293,8 @@ def format_plan(title: str, plan: Plan, steps: list[Step]) -> list[str]:
     """One plan as text: its components in bytes and GiB, the verdict, and the next steps."""
     st = plan.setting
     lines = [
-        f"{title}: {_mode(st)}, {plan.trainable_parameters:,} trainable of {plan.total_parameters:,} parameters",
+        f"{title}: {_mode(st)}, {plan.trainable_parameters:,} trainable of {plan.total_parameters:,} parameters"
+        + (f" (a token goes through {plan.active_base_parameters:,} of the base's)" if plan.idle_parameters else ""),
         f"  micro-batch {st.sequences} x {st.length} tokens per device, {st.accumulation} accumulation step(s)",
     ]
     lines += [f"  {label:<48}{value:>18,} B  {gib(value):>11}" for label, value in plan_rows(plan)]

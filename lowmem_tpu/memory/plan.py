@@ -165,6 +165,13 @@ class Plan:
     margin: int
     capacity: int  # memory per device
     kernel_code: int = 0  # part of workspace: a MoE model's grouped-matmul kernels' programs (TPU)
+    idle_parameters: int = 0  # a MoE model's: the expert weights a token does not go through
+
+    @property
+    def active_base_parameters(self) -> int:
+        """The base's weights a token goes through (a MoE model's: its router's top-k experts, not all)."""
+        adapters = self.trainable_parameters if self.setting.lora else 0
+        return self.total_parameters - adapters - self.idle_parameters
 
     @property
     def persistent(self) -> int:
@@ -224,6 +231,7 @@ def plan_setting(s: Shape, st: Setting, layout: str, capacity: int) -> Plan:
         layout=layout,
         trainable_parameters=sum(t.numel for t in trainable),
         total_parameters=sum(t.parameters for t in params),
+        idle_parameters=s.experts.idle(s.hidden) if s.experts else 0,
         weights=weights,
         gradients=gradients,
         optimizer=optimizer,
@@ -262,6 +270,7 @@ def tpu_plan(s: Shape, st: Setting, capacity: int) -> Plan:
         layout="tpu",
         trainable_parameters=sum(p.numel for p in trainable),
         total_parameters=sum(p.parameters for p in params),
+        idle_parameters=s.experts.idle(s.hidden) if s.experts else 0,
         weights=weights,
         gradients=gradients,
         optimizer=optimizer,

@@ -94,6 +94,11 @@ def test_the_planner_counts_every_expert_and_moe_flops_count_the_active_ones(sta
         assert sum(t.parameters for t in planned) == total
         assert sum(t.parameters for t in planned if t.trainable) == trainable
     assert total - (trainable if lora else 0) == 30_532_122_624
+    from lowmem_tpu.memory.advise import format_plan, plan_recipe
+
+    idle = 48 * (128 - 8) * 3 * 768 * 2048  # the experts a token does not go through, every layer
+    shown = format_plan("plan", plan_recipe(recipe, "v5e-8", config).plan, [])[0]
+    assert f"a token goes through {30_532_122_624 - idle:,} of the base's" in shown
     per_token = flops_per_token(config, total, trainable, 1, lora)
     assert 4 * 3.0e9 < per_token < 6 * 3.6e9  # about 3 B active weights: 4 or 6 FLOPs each, not 30 B
 
