@@ -160,14 +160,18 @@ class Experts:
         return len(self.layers) * (self.count - self.per_token) * 3 * self.inner * hidden
 
 
+EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")  # Qwen 3 MoE and Gemma 4, gpt-oss, DeepSeek
+PER_TOKEN = ("num_experts_per_tok", "experts_per_token", "top_k_experts")
+
+
 def experts_of(config: Any) -> Experts | None:
     """The model's experts, read as transformers' Qwen 3 MoE and gpt-oss configs give them (layers listed in
     ``mlp_only_layers``, or off ``decoder_sparse_step``, keep a dense MLP); None for a dense model."""
     config = text_config(config)
-    count = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0
+    count = next((getattr(config, key, None) for key in EXPERT_COUNTS if getattr(config, key, None)), 0)
     if count <= 0:
         return None
-    per_token = getattr(config, "num_experts_per_tok", None) or getattr(config, "experts_per_token", None) or 1
+    per_token = next((getattr(config, key) for key in PER_TOKEN if getattr(config, key, None)), 1)
     inner = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
     dense = set(getattr(config, "mlp_only_layers", None) or [])
     step = getattr(config, "decoder_sparse_step", 1) or 1

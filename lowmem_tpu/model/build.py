@@ -153,9 +153,10 @@ def build_kwargs(config: Any, cfg: ModelSection | None) -> dict[str, Any]:
     kwargs: dict[str, Any] = {}
     if cfg is not None:
         kwargs = {"dtype": torch_dtype(cfg.dtype), "attn_implementation": attention_name(cfg)}
-    from lowmem_tpu.model.experts import NAME, has_experts, register
+    from lowmem_tpu.config.features import experts_of
+    from lowmem_tpu.model.experts import NAME, register
 
-    if has_experts(config):
+    if experts_of(config) is not None:
         register()
         kwargs["experts_implementation"] = NAME
     return kwargs

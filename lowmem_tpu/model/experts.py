@@ -101,14 +101,6 @@ def register() -> None:
     ALL_EXPERTS_FUNCTIONS.register(NAME, static_experts_forward)
 
 
-def has_experts(config: Any) -> bool:
-    """Whether the architecture routes tokens to experts (transformers' experts interface applies)."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return any(
-        (getattr(text, key, 0) or 0) > 0 for key in ("num_experts", "num_local_experts", "n_routed_experts")
-    ) or bool(getattr(text, "enable_moe_block", False))
-
-
 def without_router_logits(model: Any) -> dict[str, Any]:
     """Forward arguments for scoring or sampling a MoE model: no router logits, so no auxiliary loss (TRL turns
     them on in the config for training; transformers' loss on them counts experts with ``histc``, which XLA

@@ -22,15 +22,14 @@ from typing import Any
 
 import torch
 
+from lowmem_tpu.config.devices import LANES
 from lowmem_tpu.errors import UserError
 from lowmem_tpu.model.ordering import after
-
-LANE = 128
 
 
 def _tile(size: int, cap: int) -> int:
     """The largest multiple of 128 up to ``cap`` that divides ``size`` (the kernels' tiles must), else ``size``."""
-    return next((t for t in range(min(cap, size) // LANE * LANE, 0, -LANE) if size % t == 0), size)
+    return next((t for t in range(min(cap, size) // LANES * LANES, 0, -LANES) if size % t == 0), size)
 
 
 def tpu_gmm(lhs: torch.Tensor, rhs: torch.Tensor, sizes: torch.Tensor, transpose_rhs: bool) -> torch.Tensor:
