@@ -89,7 +89,7 @@ def parameters(s: Shape, st: Setting) -> list[Tensor]:
             bias = s.attention_bias if name.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else s.mlp_bias
             weight = quantized_weight(o, i, st) if base else [Tensor((o, i), size, full)]
             layer = weight + ([Tensor((o,), size, full)] if bias else [])
-            if st.lora and name in st.targets:
+            if st.lora and (name in st.targets or (st.all_linear and "." not in name)):  # "." : a stack
                 adapter = DTYPE_BYTES[st.adapter_dtype]
                 layer += [Tensor((st.rank, i), adapter, True), Tensor((o, st.rank), adapter, True)]
             elif st.lora and s.experts and set(EXPERT_STACKS.get(name, ())) & set(st.targets):

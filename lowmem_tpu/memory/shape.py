@@ -116,10 +116,12 @@ def _per_layer_shape(outer: Any, config: Any) -> Shape:
     """Gemma 4's layers as transformers builds them (``per_layer_config``, ``kv_sharing_modes``): full layers'
     wider heads (and with ``attention_k_eq_v`` their own KV heads and no v_proj), no k/v projections on the
     layers that reuse earlier ones' K/V (their MLP twice as wide with ``use_double_wide_mlp``), per-layer
-    embeddings (PLE). The scalar fields are the widest layer's: what one layer's activations can take."""
+    embeddings (PLE), and in 26B-A4B routed experts beside each dense MLP. The scalar fields are the widest
+    layer's: what one layer's activations can take."""
     h, heads, n = config.hidden_size, config.num_attention_heads, config.num_hidden_layers
     modes = getattr(config, "kv_sharing_modes", None) or [None] * n
     ple = getattr(config, "hidden_size_per_layer_input", 0) or 0
+    experts = experts_of(config) if getattr(config, "enable_moe_block", False) else None
     layers, other = [], []
     for i in range(n):
         layer = config.per_layer_config[i]
@@ -137,6 +139,10 @@ def _per_layer_shape(outer: Any, config: Any) -> Shape:
         if ple:
             projections |= {"per_layer_input_gate": (ple, h), "per_layer_projection": (h, ple)}
             other += [(h,)]  # post_per_layer_input_norm
+        if experts is not None:  # 26B-A4B: experts beside the dense MLP, and their router
+            e, routed = experts.count, experts.inner
+            projections |= {"experts.gate_up_proj": (e * 2 * routed, h), "experts.down_proj": (e * h, routed)}
+            other += [(e, h), (h,), (e,), (h,), (h,), (h,)]  # router proj, scale, per-expert scale; 3 norms
         other += [(layer.head_dim,), (h,), (h,)]  # q_norm, pre- and post-feedforward norms
         layers.append(projections)
     if ple:
@@ -146,7 +152,7 @@ def _per_layer_shape(outer: Any, config: Any) -> Shape:
     head_dim = max(config.per_layer_config[i].head_dim for i in range(n))
     return Shape(
         hidden=h,
-        intermediate=widest["gate_proj"][0],
+        intermediate=widest["gate_proj"][0] + (experts.per_token * experts.inner if experts else 0),
         layers=n,
         heads=heads,
         kv_heads=max(config.per_layer_config[i].num_key_value_heads for i in range(n)),
@@ -158,6 +164,7 @@ def _per_layer_shape(outer: Any, config: Any) -> Shape:
         chunked_loss_refusal=chunked_loss_refusal(outer),
         layer_linears=tuple(layers),
         other_weights=tuple(other),
+        experts=experts,
     )
 
 
@@ -198,6 +205,7 @@ class Setting:
     fused_head: bool
     devices: int
     quantize: str = "none"  # the frozen base's decoder linears: none, int8, int4 or nf4 (LoRA only)
+    all_linear: bool = False  # lora.target_modules: all-linear adapts every projection (Gemma 4's PLE ones too)
     group_size: int = 64  # int4: inputs sharing one scale; nf4: the block of one maximum
     double_quant: bool = False  # nf4: block maxima in 8 bits (+ an fp32 scale per 256 of them)
     quantize_lm_head: bool = False
@@ -263,6 +271,7 @@ def setting_of(recipe: Recipe, devices: int) -> Setting:
         lora=lora.enabled,
         rank=lora.r,
         targets=targets,
+        all_linear=lora.target_modules == "all-linear",
         lora_dropout=lora.dropout,
         dtype=recipe.model.dtype,
         strategy=recipe.sharding.strategy,

@@ -79,17 +79,21 @@ def decoder_layers(model: Any) -> Any:
 
 
 def decoder_projections(model: Any) -> tuple[str, list[str]]:
-    """(the decoder layers' path, the names of the linear projections inside them, in module order)."""
+    """(the decoder layers' path, the names of the linear projections inside them, in module order); a MoE
+    router's own projection is not one of them."""
     from torch import nn
 
     layers = decoder_layers(model)
     if layers is None:
         raise UserError("lora.target_modules: this model has no decoder layers list to find its projections in")
     path = next(name for name, module in model.named_modules() if module is layers)
+    modules = dict(layers[0].named_modules())
+    routers = [f"{name}." for name, module in modules.items() if type(module).__name__.endswith("Router")]
     names: list[str] = []
-    for name, module in layers[0].named_modules():
+    for name, module in modules.items():
         leaf = name.rpartition(".")[2]
-        if isinstance(module, nn.Linear) and leaf not in names:
+        routing = any(name.startswith(router) for router in routers)  # Gemma 4's router.proj
+        if isinstance(module, nn.Linear) and leaf not in names and not routing:
             names.append(leaf)
     return path, names
 

@@ -284,8 +284,29 @@ GEMMA4 = {
     },
     "audio_config": None,
 }
+# Gemma 4 26B-A4B's layout, shrunk: a dense MLP and routed experts side by side in every layer (the router's
+# own norm, scale and per-expert scale), full layers with K = V and their own KV heads, no per-layer
+# embeddings or K/V sharing.
+GEMMA4_MOE = {
+    **GEMMA4,
+    "text_config": {
+        **GEMMA4["text_config"],
+        "num_hidden_layers": 3,
+        "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+        "attention_k_eq_v": True,
+        "num_global_key_value_heads": 1,
+        "hidden_size_per_layer_input": 0,
+        "num_kv_shared_layers": 0,
+        "use_double_wide_mlp": False,
+        "enable_moe_block": True,
+        "num_experts": 4,
+        "top_k_experts": 2,
+        "moe_intermediate_size": 32,
+    },
+}
 NAMES = tuple(FAMILIES)
-WRAPPED = {"gemma3_multimodal": GEMMA3_MULTIMODAL, "gemma4": GEMMA4}  # the Hub's multimodal checkpoints
+# the Hub's multimodal checkpoints
+WRAPPED = {"gemma3_multimodal": GEMMA3_MULTIMODAL, "gemma4": GEMMA4, "gemma4_moe": GEMMA4_MOE}
 ALL_NAMES = (*NAMES, *WRAPPED)
 
 

@@ -133,7 +133,7 @@ SPECS = {
         pad="<|dummy_87|>",
     ),
 }
-SPECS["gemma3_multimodal"] = SPECS["gemma4"] = SPECS["gemma3"]
+SPECS["gemma3_multimodal"] = SPECS["gemma4"] = SPECS["gemma4_moe"] = SPECS["gemma3"]
 SPECS["qwen3_moe"] = SPECS["qwen3"]
 # What each family's template writes after an assistant message's content (the turn's trained end).
 END_OF_TURN = {
@@ -146,7 +146,7 @@ END_OF_TURN = {
     "phi3": "<|end|>\n",
     "phi4": "<|im_end|>",
 }
-END_OF_TURN["gemma3_multimodal"] = END_OF_TURN["gemma4"] = END_OF_TURN["gemma3"]
+END_OF_TURN["gemma3_multimodal"] = END_OF_TURN["gemma4"] = END_OF_TURN["gemma4_moe"] = END_OF_TURN["gemma3"]
 END_OF_TURN["qwen3_moe"] = END_OF_TURN["qwen3"]
 
 

@@ -17,15 +17,16 @@ from lowmem_tpu.model.experts import NAME
 def _logits_and_grads(model, ids):
     model.zero_grad()
     for name, param in model.named_parameters():
-        param.requires_grad_("experts" in name or "embed" in name)
+        param.requires_grad_("experts" in name or "embed" in name or "router" in name)
     out = model(input_ids=ids).logits
     out.float().pow(2).mean().backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return out.detach(), grads
 
 
-def test_static_experts_equal_transformers_eager_experts(stand_ins):
-    model = build_base_model(ModelSection(name_or_path=str(stand_ins["qwen3_moe"]), dtype="float32"))
+@pytest.mark.parametrize("family", ["qwen3_moe", "gemma4_moe"])  # Gemma 4: experts beside a dense MLP
+def test_static_experts_equal_transformers_eager_experts(stand_ins, family):
+    model = build_base_model(ModelSection(name_or_path=str(stand_ins[family]), dtype="float32"))
     assert model.config._experts_implementation == NAME
     ids = torch.randint(0, 512, (3, 24), generator=torch.Generator().manual_seed(0))
     ours, our_grads = _logits_and_grads(model, ids)

@@ -67,6 +67,7 @@ LAYERS = {
     "phi4": "Phi3DecoderLayer",
     "gemma3_multimodal": "Gemma3DecoderLayer",  # not SiglipEncoderLayer, which _no_split_modules also names
     "gemma4": "Gemma4TextDecoderLayer",
+    "gemma4_moe": "Gemma4TextDecoderLayer",
     "qwen3_moe": "Qwen3MoeDecoderLayer",
 }
 
@@ -251,22 +252,29 @@ def test_lora_dtype_model_puts_every_adapter_in_the_bases_dtype_with_fp32_master
 
 def test_gemma4s_layers_are_planned_one_by_one_and_cut_with_their_share_of_kv_reuse(stand_ins, tmp_path):
     """Gemma 4's layers differ (full layers' wider heads, no k/v projections and a double-wide MLP where K/V is
-    reused, per-layer embeddings): the planner's count equals the meta model's (towers included), the
-    stand-in's and E2B's; the
-    TPU compile's cut keeps E2B's share of reusing layers (14 and 28 of 35) and builds; a scan is refused."""
+    reused, per-layer embeddings, 26B-A4B's experts beside the dense MLP): the planner's count equals the meta
+    model's (towers included), in full and with all-linear LoRA (the PLE projections adapted too), for the
+    stand-ins and E2B; the TPU compile's cut keeps E2B's share of reusing layers (14 and 28 of 35) and
+    builds; a scan is refused."""
 
     from lowmem_tpu.measure.tpu_layers import cut, layer_points
     from lowmem_tpu.memory.plan import parameters
     from lowmem_tpu.memory.shape import setting_of, shape_of
+    from lowmem_tpu.model import apply_lora, count_parameters
     from lowmem_tpu.model.build import meta_model, require_config
 
-    full = setting_of(load_recipe(None, ["lora.enabled=false", "train.global_batch_size=8"]), 1)
-    for name, text in ((stand_ins["gemma4"], None), ("google/gemma-4-E2B-it", 4_628_569_344)):
-        config = require_config(load_recipe(None, [f"model.name_or_path={name}"]))  # as the commands read it
-        model = meta_model(config)  # the towers planned as frozen weights beside the decoder
-        decoder = sum(p.numel() for p in model.model.language_model.parameters())
-        planned = sum(t.parameters for t in parameters(shape_of(config), full))
-        assert planned == sum(p.numel() for p in model.parameters()) and decoder == (text or decoder)
+    full, lora = ["lora.enabled=false"], ["lora.target_modules=all-linear"]
+    cases = ((stand_ins["gemma4"], None, (full, lora)), ("google/gemma-4-E2B-it", 4_628_569_344, (lora,)))
+    for name, text, ways in (*cases, (stand_ins["gemma4_moe"], None, (full, lora))):
+        for way in ways:
+            recipe = load_recipe(None, [f"model.name_or_path={name}", *way])
+            config = require_config(recipe)  # as the commands read it
+            model = meta_model(config)  # the towers planned as frozen weights beside the decoder
+            decoder = sum(p.numel() for p in model.model.language_model.parameters())
+            trainable, total = count_parameters(apply_lora(model, recipe, weightless=True))
+            planned = parameters(shape_of(config), setting_of(recipe, 1))
+            assert sum(t.parameters for t in planned) == total and decoder == (text or decoder)
+            assert not recipe.lora.enabled or sum(t.parameters for t in planned if t.trainable) == trainable
     recipe = load_recipe("recipes/gemma4_e2b_lora_v5e1.yaml", [])
     assert layer_points(recipe) == (14, 28)
     for layers, reused in ((14, 8), (28, 16)):
