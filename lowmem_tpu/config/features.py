@@ -65,6 +65,7 @@ class Attention:
     window: int | None = None
     softcap: float | None = None
     routed: bool = False  # a MoE model: transformers' load-balancing loss reads the mask as [batch, length]
+    sinks: bool = False  # gpt-oss: a learned score per head joins each row's softmax (``module.sinks``)
 
     def features(self, length: int) -> list[str]:
         """What rows of ``length`` tokens meet beyond causal attention, in words (empty: nothing)."""
@@ -73,6 +74,8 @@ class Attention:
             features.append(f"sliding windows of {self.window} keys (rows of {length} tokens)")
         if self.softcap:
             features.append(f"attention scores soft-capped at {self.softcap:g}")
+        if self.sinks:
+            features.append("attention sinks")
         return features
 
     def flash_refusal(self, length: int) -> str | None:
@@ -113,9 +116,17 @@ class Attention:
         compute this attention, or None."""
         if implementation == "flash":
             return self.flash_refusal(length)
+        if implementation == "sdpa" and self.sinks:  # transformers' own sdpa drops them: it refuses the model
+            return (
+                f"model.attn_implementation: sdpa has no attention sinks, which {self.model_type} defines; use "
+                "chunked (the memory saving of flash, computing the sinks) or eager"
+            )
         if packing and implementation in ("eager", "sdpa"):
             return self.packed_mask_refusal(length)
         return None
+
+
+SINKS = ("gpt_oss",)  # model types whose attention has a learned sink per head
 
 
 def attention_of(config: Any) -> Attention:
@@ -126,6 +137,7 @@ def attention_of(config: Any) -> Attention:
         window=sliding_window(config),
         softcap=getattr(text, "attn_logit_softcapping", None) or None,
         routed=experts_of(config) is not None,
+        sinks=getattr(text, "model_type", None) in SINKS,
     )
 
 

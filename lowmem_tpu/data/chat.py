@@ -3,7 +3,8 @@
 Templates render a turn differently depending on what follows it (Qwen 3 writes an empty think block
 only in the turns after the last user message; Phi-3 writes EOS after the last message only), so a
 turn is located in the whole conversation, not by rendering prefixes: it starts where the
-conversation before it, rendered with the generation prompt, stops matching the whole one; its
+conversation before it, rendered with the generation prompt, stops matching the whole one (the last reply
+follows the generation prompt as a server sends it: ``served``); its
 content is found from there; it ends after the text the template writes after the content
 (``<|eot_id|>``, ``<|im_end|>\\n``, ``<end_of_turn>\\n``, ``<|end|>\\n``), as far as the whole
 conversation has it.
@@ -44,6 +45,21 @@ def common_prefix(a: Any, b: Any) -> int:
             break
         n += 1
     return n
+
+
+def served(tokenizer: Any, prompt: list[dict[str, Any]], reply: list[dict[str, Any]], where: str) -> str:
+    """``prompt + reply`` rendered, the reply after the generation prompt as a server sends it: a template
+    whose generation prompt writes what its rendered history does not, right where the reply begins
+    (Gemma 4's empty thinking channel, ``<|channel>thought\n<channel|>``), is trained on what it will be
+    asked with. Otherwise (every other family) the whole conversation as the template renders it."""
+    whole = render(tokenizer, prompt + reply, False, where)
+    replying = prompt and reply and reply[0].get("role") == "assistant"
+    content = str(reply[0].get("content") or "").strip() if replying else ""
+    if not content:
+        return whole
+    text = render(tokenizer, prompt, True, where)
+    start = common_prefix(text, whole)
+    return text + whole[start:] if start < len(text) and whole[start:].startswith(content) else whole
 
 
 def locate(tokenizer: Any, messages: list[dict[str, Any]], whole: str, index: int, where: str) -> Turn:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import lowmem_tpu.data.fields as fields
 from lowmem_tpu.config import DataSection
-from lowmem_tpu.data.chat import assistant_turns, bos_ids, common_prefix, locate, render
+from lowmem_tpu.data.chat import assistant_turns, bos_ids, common_prefix, locate, render, served
 from lowmem_tpu.data.fields import CHAT_LIKE, require_columns
 from lowmem_tpu.data.sources import DataError
 
@@ -137,7 +137,7 @@ def _chat_texts(record: dict[str, Any], cfg: DataSection, tokenizer: Any, where:
     """The whole conversation, then, with mask_prompt, the whole text cut at each assistant turn's start
     and end (``chat.locate``), so whatever the template writes after the content (EOS, newline) is trained."""
     messages = fields.conversation(record, cfg, where)
-    whole = render(tokenizer, messages, False, where)
+    whole = served(tokenizer, messages[:-1], messages[-1:], where)  # the last reply as a server asks for it
     cuts = [whole[:at] for turn in assistant_turns(tokenizer, messages, whole, where) for at in (turn.start, turn.end)]
     return [whole, *cuts] if cfg.mask_prompt else [whole]
 
@@ -164,7 +164,7 @@ def _prompt_completion_texts(record: dict[str, Any], cfg: DataSection, tokenizer
     if isinstance(prompt, str):
         return [prompt, prompt + completion]
     _need_template(tokenizer, where)
-    whole = render(tokenizer, prompt + completion, False, where)
+    whole = served(tokenizer, prompt, completion, where)
     start = common_prefix(render(tokenizer, prompt, True, where), whole)
     return [whole, whole[:start], whole] if cfg.mask_prompt else [whole]
 
@@ -246,11 +246,21 @@ def _rendered_answer(
     tokenizer: Any, prompt: list[dict[str, Any]], conversation: list[dict[str, Any]], where: str
 ) -> tuple[list[int], str]:
     """The prompt with the generation prompt -> what the template writes after it up to the end of the last
-    message's content (an empty think block included where the template writes one, as training saw it)."""
+    message's content (an empty think block included where the template writes one, as training saw it),
+    without special tokens, as a reply is decoded (gpt-oss's ``<|channel|>final<|message|>`` leaves
+    ``final``)."""
     text = render(tokenizer, prompt, True, where)
-    whole = render(tokenizer, conversation, False, where)
+    whole = served(tokenizer, prompt, conversation[len(prompt) :], where)
     turn = locate(tokenizer, conversation, whole, len(conversation) - 1, where)
-    return led_by_bos(tokenizer, _tokenize(tokenizer, [text])[0]), whole[turn.start : turn.content_end]
+    answer = _visible(tokenizer, whole[turn.start : turn.content_end])
+    return led_by_bos(tokenizer, _tokenize(tokenizer, [text])[0]), answer
+
+
+def _visible(tokenizer: Any, text: str) -> str:
+    """``text`` without the tokenizer's special tokens (what ``decode(skip_special_tokens=True)`` leaves)."""
+    for token in (t.content for t in tokenizer.added_tokens_decoder.values() if t.special):
+        text = text.replace(token, "")
+    return text
 
 
 # --------------------------------------------------------------------------- prompts for generation

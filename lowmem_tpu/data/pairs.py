@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import lowmem_tpu.data.fields as fields
 from lowmem_tpu.config import DataSection
-from lowmem_tpu.data.chat import common_prefix, render
+from lowmem_tpu.data.chat import common_prefix, render, served
 from lowmem_tpu.data.formats import led_by_bos
 from lowmem_tpu.data.sources import DataError, length_percentiles
 
@@ -86,7 +86,7 @@ def joined_texts(prompt: Any, completions: list[Any], tokenizer: Any, where: str
             f"{where}: conversational preference data is rendered with a chat template and the tokenizer has "
             "none: set data.chat_template (plain or chatml, shipped, or a Jinja file)"
         )
-    return [render(tokenizer, prompt, True, where), *(render(tokenizer, prompt + c, False, where) for c in completions)]
+    return [render(tokenizer, prompt, True, where), *(served(tokenizer, prompt, c, where) for c in completions)]
 
 
 def split_completions(ids: list[list[int]], tokenizer: Any) -> tuple[list[int], ...]:

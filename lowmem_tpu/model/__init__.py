@@ -1,6 +1,7 @@
 """The model: config and weights (``build``), ``tokenizer``, ``lora``, a quantized base (``quantize``; ``nf4``
 and ``nibbles`` for its 4-bit layouts), ``architecture`` (facts without weights), and the implementations a
-recipe switches on: ``experts`` (MoE layers at static shapes; ``stacks`` reads per-expert checkpoints),
+recipe switches on: ``experts`` (MoE layers at static shapes; ``stacks`` reads per-expert checkpoints,
+``mxfp4`` gpt-oss's 4-bit experts),
 ``attention`` (chunked), ``loss`` (chunked), ``rope`` (rotary by a matmul), ``ordering``
 (one block after another); ``names`` keeps clean parameter names.
 

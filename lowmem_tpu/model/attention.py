@@ -16,7 +16,9 @@ What a model defines beyond that comes as the attention call's keyword arguments
 layers pass them to every implementation: ``sliding_window`` (Gemma 2/3's local layers, Mistral,
 Phi-3: a query sees its last ``window`` keys, itself included, as transformers' sliding-window mask
 has it) and ``softcap`` (Gemma 2: scores become ``tanh(s / cap) * cap`` before the softmax, as in
-its eager attention). Both are applied block by block, forward and backward.
+its eager attention). Both are applied block by block, forward and backward. gpt-oss's attention sinks
+(``module.sinks``: a learned score per head that joins every row's softmax and carries no value) enter each
+row's sum once, after the last block, and get their own gradient.
 """
 
 from __future__ import annotations
@@ -60,7 +62,9 @@ class ChunkedAttention(torch.autograd.Function):
     log-sum-exp only."""
 
     @staticmethod
-    def forward(ctx: Any, q, k, v, padding, scale: float, block: int, window: int | None, cap: float | None):  # type: ignore[override]
+    def forward(
+        ctx: Any, q, k, v, padding, scale: float, block: int, window: int | None, cap: float | None, sinks=None
+    ):  # type: ignore[override]
         q_len, k_len = q.shape[2], k.shape[2]
         row_max = torch.full((*q.shape[:3], 1), float("-inf"), device=q.device)
         row_sum = torch.zeros((*q.shape[:3], 1), device=q.device)
@@ -76,16 +80,22 @@ class ChunkedAttention(torch.autograd.Function):
             row_sum = row_sum * correction + p.sum(-1, keepdim=True)
             acc = acc * correction + torch.matmul(p, v[:, :, start:stop].float())
             row_max = new_max
+        if sinks is not None:  # exp(sink) joins each row's sum: as a last block of one key with no value
+            sink = sinks.float().reshape(1, -1, 1, 1)
+            new_max = torch.maximum(row_max, sink)
+            row_sum = row_sum * torch.exp(row_max - new_max) + torch.exp(sink - new_max)
+            acc, row_max = acc * torch.exp(row_max - new_max), new_max
         out = acc / row_sum.clamp(min=1e-30)  # a row that sees nothing (left padding) gives 0, not NaN
         lse = torch.where(row_sum > 0, torch.log(row_sum.clamp(min=1e-30)) + row_max, torch.zeros_like(row_sum))
-        ctx.save_for_backward(q, k, v, padding if padding is not None else torch.empty(0), out, lse)
-        ctx.scale, ctx.block, ctx.has_padding = scale, block, padding is not None
+        saved = (padding if padding is not None else torch.empty(0), sinks if sinks is not None else torch.empty(0))
+        ctx.save_for_backward(q, k, v, *saved, out, lse)
+        ctx.scale, ctx.block, ctx.has_padding, ctx.has_sinks = scale, block, padding is not None, sinks is not None
         ctx.window, ctx.cap = window, cap
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor):  # type: ignore[override]
-        q, k, v, padding, out, lse = ctx.saved_tensors
+        q, k, v, padding, sinks, out, lse = ctx.saved_tensors
         padding = padding if ctx.has_padding else None
         scale, block, window, cap = ctx.scale, ctx.block, ctx.window, ctx.cap
         q_len, k_len = q.shape[2], k.shape[2]
@@ -115,7 +125,11 @@ class ChunkedAttention(torch.autograd.Function):
             dq = dq + torch.matmul(ds, k_blk) * scale
             dks.append(torch.matmul(ds.transpose(-1, -2), q.float()) * scale)
         dk, dv = torch.cat(dks, dim=2), torch.cat(dvs, dim=2)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+        d_sinks = None
+        if ctx.has_sinks:  # a sink's probability times (its value's score, 0, minus the row's mean)
+            p_sink = torch.exp(sinks.float().reshape(1, -1, 1, 1) - lse)
+            d_sinks = (-p_sink * delta).sum((0, 2, 3)).to(sinks.dtype)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, d_sinks
 
 
 def heads_for_every_query(
@@ -143,8 +157,8 @@ def chunked_attention_forward(
     segments = kwargs.get("segment_ids")
     if segments is None and attention_mask is not None and attention_mask.dim() == 2:
         segments = attention_mask.long()  # one sample per row: 1 on tokens, 0 on padding
-    window, cap = kwargs.get("sliding_window"), kwargs.get("softcap")
-    out = ChunkedAttention.apply(query, key, value, segments, scale, BLOCK, window, cap)
+    window, cap, sinks = kwargs.get("sliding_window"), kwargs.get("softcap"), getattr(module, "sinks", None)
+    out = ChunkedAttention.apply(query, key, value, segments, scale, BLOCK, window, cap, sinks)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from lowmem_tpu.config import ModelSection, Recipe, with_fields
 from lowmem_tpu.config.assets import BUILTIN, resolve_builtin
 from lowmem_tpu.errors import UserError
+from lowmem_tpu.model.mxfp4 import dequantized, readable_config
 from lowmem_tpu.model.stacks import ExpertStacks, Slot, expert_slot
 
 if TYPE_CHECKING:
@@ -54,7 +55,7 @@ def load_config(cfg: ModelSection, offline: bool = False) -> Any:
                 "(config.json and its weights, as save_pretrained writes them)"
             )
         try:
-            return AutoConfig.from_pretrained(directory)
+            return readable_config(AutoConfig.from_pretrained(directory), source)
         except (OSError, ValueError) as err:
             raise UserError(f"model.name_or_path: cannot read {directory / 'config.json'}: {err}") from None
     shipped = shipped_config_path(source)
@@ -66,7 +67,7 @@ def load_config(cfg: ModelSection, offline: bool = False) -> Any:
         except OSError:
             return None
     try:
-        return AutoConfig.from_pretrained(source, revision=cfg.revision)
+        return readable_config(AutoConfig.from_pretrained(source, revision=cfg.revision), source)
     except OSError as err:
         raise UserError(f"model.name_or_path: cannot load the config of {source!r}: {err}") from None
 
@@ -298,7 +299,7 @@ def _from_checkpoint(cfg: ModelSection) -> Any:
     rename = _checkpoint_names(model, directory)
     stacks = ExpertStacks(model, dtype)
     with torch.no_grad():
-        for stored, tensor in read_tensors(files):
+        for stored, tensor in dequantized(read_tensors(files)):
             name, slot = rename(stored)
             layer = name.removesuffix(".weight")
             if slot is not None and name in expected:

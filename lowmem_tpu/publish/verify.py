@@ -46,23 +46,32 @@ def float32_compute(model: Any) -> Iterator[None]:
     import torch
 
     originals: dict[Any, Any] = {}
+    upcast: dict[Any, list[Any]] = {}
 
     def cast(value: Any) -> Any:
         return value.float() if torch.is_tensor(value) and value.is_floating_point() else value
 
+    def own(module: Any) -> list[Any]:
+        # PEFT's LoRA on a stack of experts (ParamWrapper) reads its adapters and the stack, a parametrized
+        # weight, outside their modules' forward: the whole wrapper is upcast while it runs
+        if type(module).__name__ == "ParamWrapper":
+            return list(module.parameters())
+        return list(module.parameters(recurse=False))
+
     def up(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        for p in module.parameters(recurse=False):
-            if p.is_floating_point():  # a quantized layer's packed integers stay as they are
-                originals[p] = p.data
-                p.data = p.data.float()
+        # a quantized layer's packed integers stay as they are; a nested wrapper's are its outer one's
+        mine = [p for p in own(module) if p.is_floating_point() and p not in originals]
+        for p in mine:
+            originals[p] = p.data
+            p.data = p.data.float()
+        upcast[module] = mine
         return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
 
     def down(module: Any, args: tuple, output: Any) -> None:
-        for p in module.parameters(recurse=False):
-            if p in originals:
-                p.data = originals.pop(p)
+        for p in upcast.pop(module, []):
+            p.data = originals.pop(p)
 
-    owners = [m for m in model.modules() if next(m.parameters(recurse=False), None) is not None]
+    owners = [m for m in model.modules() if own(m)]
     handles = [m.register_forward_pre_hook(up, with_kwargs=True) for m in owners]
     handles += [m.register_forward_hook(down) for m in owners]
     try:

@@ -205,6 +205,50 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "sliding_window": None,
         "tie_word_embeddings": False,
     },
+    # gpt-oss-20b's layout: attention sinks, sliding and full layers in turn, biases everywhere, 4 routed
+    # experts (32 there), 2 per token, their interleaved gate/up and down stacks stored as MXFP4 blocks and
+    # scales (``mxfp4_experts``), yarn rope; the harmony special tokens at 500-512
+    "gpt_oss": {
+        "architectures": ["GptOssForCausalLM"],
+        "model_type": "gpt_oss",
+        "attention_bias": True,
+        "eos_token_id": 502,
+        "experts_per_token": 2,
+        "head_dim": 16,
+        "hidden_act": "silu",
+        "initial_context_length": 4096,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "max_position_embeddings": 131072,
+        "num_attention_heads": 4,
+        "num_experts_per_tok": 2,
+        "num_key_value_heads": 2,
+        "num_local_experts": 4,
+        "output_router_logits": False,
+        "pad_token_id": 501,
+        "quantization_config": {
+            "modules_to_not_convert": [
+                "model.layers.*.self_attn",
+                "model.layers.*.mlp.router",
+                "model.embed_tokens",
+                "lm_head",
+            ],
+            "quant_method": "mxfp4",
+        },
+        "rms_norm_eps": 1e-05,
+        "rope_scaling": {
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "factor": 32.0,
+            "original_max_position_embeddings": 4096,
+            "rope_type": "yarn",
+            "truncate": False,
+        },
+        "rope_theta": 150000,
+        "router_aux_loss_coef": 0.9,
+        "sliding_window": WINDOW,
+        "swiglu_limit": 7.0,
+        "tie_word_embeddings": False,
+    },
 }
 # Gemma 3 4B and up: the multimodal checkpoint (its own text_config and a vision tower).
 GEMMA3_MULTIMODAL = {
@@ -315,7 +359,7 @@ def family_config(name: str) -> dict[str, Any]:
     if name in WRAPPED:
         return json.loads(json.dumps(WRAPPED[name]))
     config = {**FAMILIES[name], **SMALL}
-    if name in ("phi4", "gemma2", "gemma3"):
+    if name in ("phi4", "gemma2", "gemma3", "gpt_oss"):
         config["vocab_size"] = 640  # embeddings with more rows than the tokenizer has tokens
     return config
 
@@ -333,12 +377,35 @@ def make_family(path: Path, name: str, seed: int = 0) -> Path:
             if param.dim() == 1:
                 param.add_(torch.randn_like(param) * 0.1)
     model.save_pretrained(path)
+    if raw.get("quantization_config", {}).get("quant_method") == "mxfp4":
+        mxfp4_experts(path / "model.safetensors")
     (path / "config.json").write_text(json.dumps(raw, indent=2))  # as the Hub has it, defaults left out
     eos = raw.get("eos_token_id", raw.get("text_config", {}).get("eos_token_id"))
     generation = {"bos_token_id": raw.get("bos_token_id", 2), "eos_token_id": eos}
     (path / "generation_config.json").write_text(json.dumps(generation, indent=2))
     make_tokenizer(path, name)
     return path
+
+
+FP4 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # E2M1 by nibble
+
+
+def mxfp4_experts(file: Path) -> None:
+    """The expert stacks rewritten as the Hub's MXFP4 (OCP microscaling): each output row's inputs in blocks
+    of 32, a power-of-two scale per block (a byte, exponent + 127) and two 4-bit E2M1 codes per byte, the
+    even element in the low nibble; ``{stack}_blocks`` [experts, out, in / 32, 16], ``{stack}_scales``."""
+    from safetensors.torch import load_file, save_file
+
+    tensors, codes = load_file(file), torch.tensor(FP4)
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        rows = tensors.pop(name).float().transpose(1, 2)  # stored [E, in, out]: the Hub's rows are outputs
+        groups = rows.reshape(*rows.shape[:2], -1, 32)
+        exponent = torch.ceil(torch.log2(groups.abs().amax(-1).clamp(min=2.0**-120) / 6.0))
+        scaled = groups / torch.exp2(exponent)[..., None]
+        nibbles = (scaled[..., None] - codes).abs().argmin(-1).to(torch.uint8)
+        tensors[f"{name}_blocks"] = nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
+        tensors[f"{name}_scales"] = (exponent + 127).to(torch.uint8)
+    save_file(tensors, file, metadata={"format": "pt"})
 
 
 if __name__ == "__main__":

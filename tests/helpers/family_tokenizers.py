@@ -5,8 +5,10 @@ Mistral and Phi-3. Special tokens sit at the ids the stand-in's config.json name
 fillers in between, as the Hub's do. The chat templates follow each family's rules where they matter for
 locating turns: Llama 3's headers and ``<|eot_id|>``; Qwen 2.5's default system turn; Qwen 3's empty think
 block in the turns after the last user message only; Gemma's ``model`` role, system text folded into the
-first user turn and trimmed content; Mistral's system text put before the last user message; Phi-3's EOS
-after the last message only; Phi-4's ``<|im_sep|>``. Only Llama 3, Gemma and Mistral put BOS before a text.
+first user turn and trimmed content; Gemma 4's ``<|turn>``/``<turn|>``, system turn and empty thinking
+channel after the generation prompt; Mistral's system text put before the last user message; Phi-3's EOS
+after the last message only; gpt-oss's harmony channels and ``<|return|>`` after the last reply only;
+Phi-4's ``<|im_sep|>``. Only Llama 3, Gemma and Mistral put BOS before a text.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+SPACE = "\u2581"
 CORPUS = [
     "Reverse the word lemon. The answer is nomel. Reverse paris, bread and stone.",
     "You are a helpful assistant. You reverse words. And again? Say it once more.",
@@ -53,6 +56,39 @@ GEMMA = (
     "{{- '<start_of_turn>' + role + '\\n' + (first if loop.first else '') + message['content'] | trim }}"
     "{{- '<end_of_turn>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<start_of_turn>model\\n' }}{%- endif %}"
 )
+# Gemma 4: its own turn markers, a system turn of its own, a model turn's thinking (``<|channel>...<channel|>``)
+# stripped from the history, and an empty thinking channel after the generation prompt unless thinking is on.
+GEMMA4 = (
+    "{%- macro strip_thinking(text) -%}{%- set ns = namespace(result='') -%}"
+    "{%- for part in text.split('<channel|>') -%}{%- if '<|channel>' in part -%}"
+    "{%- set ns.result = ns.result + part.split('<|channel>')[0] -%}{%- else -%}"
+    "{%- set ns.result = ns.result + part -%}{%- endif -%}{%- endfor -%}{{- ns.result | trim -}}{%- endmacro -%}"
+    "{{- bos_token -}}{%- set turns = messages -%}{%- if messages[0]['role'] in ['system', 'developer'] -%}"
+    "{{- '<|turn>system\n' + messages[0]['content'] | trim + '<turn|>\n' -}}{%- set turns = messages[1:] -%}"
+    "{%- endif -%}{%- for message in turns -%}{%- set role = 'model' if message['role'] == 'assistant' "
+    "else message['role'] -%}{{- '<|turn>' + role + '\n' -}}{%- if role == 'model' -%}"
+    "{{- strip_thinking(message['content']) -}}{%- else -%}{{- message['content'] | trim -}}{%- endif -%}"
+    "{{- '<turn|>\n' -}}{%- endfor -%}{%- if add_generation_prompt -%}{{- '<|turn>model\n' -}}"
+    "{%- if not enable_thinking | default(false) -%}{{- '<|channel>thought\n<channel|>' -}}{%- endif -%}"
+    "{%- endif -%}"
+)
+# gpt-oss's harmony format (its system message shrunk): a system message always, the user's system text as
+# the developer's instructions, assistant replies in the final channel, the last one (in training) ending with
+# <|return|> and its thinking in the analysis channel before it; earlier turns end with <|end|> and lose their
+# thinking.
+HARMONY = (
+    "{{- '<|start|>system<|message|>Reasoning: medium<|end|>' -}}{%- set turns = messages -%}"
+    "{%- if messages[0]['role'] in ['system', 'developer'] -%}"
+    "{{- '<|start|>developer<|message|># Instructions\n\n' + messages[0]['content'] + '\n\n<|end|>' -}}"
+    "{%- set turns = messages[1:] -%}{%- endif -%}{%- for message in turns -%}"
+    "{%- if message['role'] == 'assistant' -%}{%- if loop.last and not add_generation_prompt -%}"
+    "{%- if 'thinking' in message -%}"
+    "{{- '<|start|>assistant<|channel|>analysis<|message|>' + message['thinking'] + '<|end|>' -}}{%- endif -%}"
+    "{{- '<|start|>assistant<|channel|>final<|message|>' + message['content'] + '<|return|>' -}}{%- else -%}"
+    "{{- '<|start|>assistant<|channel|>final<|message|>' + message['content'] + '<|end|>' -}}{%- endif -%}"
+    "{%- else -%}{{- '<|start|>user<|message|>' + message['content'] + '<|end|>' -}}{%- endif -%}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|start|>assistant' -}}{%- endif -%}"
+)
 MISTRAL = (
     "{%- if messages[0]['role'] == 'system' %}{%- set system = messages[0]['content'] %}"
     "{%- set turns = messages[1:] %}{%- else %}{%- set turns = messages %}{%- endif %}"
@@ -85,6 +121,9 @@ class Spec:
     unk: str | None = None
     adds_bos: bool = False
     plain: tuple[str, ...] = field(default=())  # added tokens that are not special (Qwen 3's think tags)
+    # sentencepiece-style spaces: Metaspace (a ``▁`` before the first word too) or, as Gemma 4's tokenizer.json
+    # has it, every space replaced by ``▁`` with no prefix and bytes as the fallback
+    replaced_spaces: bool = False
 
 
 QWEN_SPECIAL = {1: "<|endoftext|>", 2: "<|im_end|>", 3: "<|im_start|>"}
@@ -133,7 +172,28 @@ SPECS = {
         pad="<|dummy_87|>",
     ),
 }
-SPECS["gemma3_multimodal"] = SPECS["gemma4"] = SPECS["gemma4_moe"] = SPECS["gemma3"]
+SPECS["gemma4"] = Spec(
+    False,
+    {0: "<pad>", 1: "<eos>", 2: "<bos>", 3: "<unk>", 98: "<|think|>", 100: "<|channel>", 101: "<channel|>"}
+    | {105: "<|turn>", 106: "<turn|>"},
+    GEMMA4,
+    bos="<bos>",
+    eos="<eos>",
+    pad="<pad>",
+    unk="<unk>",
+    replaced_spaces=True,  # and no BOS added: the chat template writes it
+)
+SPECS["gpt_oss"] = Spec(
+    True,
+    {500: "<|startoftext|>", 501: "<|endoftext|>", 502: "<|return|>", 503: "<|constrain|>", 505: "<|channel|>"}
+    | {506: "<|start|>", 507: "<|end|>", 508: "<|message|>", 512: "<|call|>"},
+    HARMONY,
+    bos="<|startoftext|>",
+    eos="<|return|>",
+    pad="<|endoftext|>",
+)
+SPECS["gemma3_multimodal"] = SPECS["gemma3"]
+SPECS["gemma4_moe"] = SPECS["gemma4"]
 SPECS["qwen3_moe"] = SPECS["qwen3"]
 # What each family's template writes after an assistant message's content (the turn's trained end).
 END_OF_TURN = {
@@ -146,7 +206,9 @@ END_OF_TURN = {
     "phi3": "<|end|>\n",
     "phi4": "<|im_end|>",
 }
-END_OF_TURN["gemma3_multimodal"] = END_OF_TURN["gemma4"] = END_OF_TURN["gemma4_moe"] = END_OF_TURN["gemma3"]
+END_OF_TURN["gemma3_multimodal"] = END_OF_TURN["gemma3"]
+END_OF_TURN["gemma4"] = END_OF_TURN["gemma4_moe"] = "<turn|>\n"
+END_OF_TURN["gpt_oss"] = "<|return|>"
 END_OF_TURN["qwen3_moe"] = END_OF_TURN["qwen3"]
 
 
@@ -157,7 +219,7 @@ def _fill(special: dict[int, str], first: int, last: int) -> list[str]:
 
 def make_tokenizer(path: Path, name: str) -> Path:
     """Train the family's small BPE here and save it as the Hub ships it (tokenizer.json and its config)."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
     spec = SPECS[name]
@@ -168,6 +230,12 @@ def make_tokenizer(path: Path, name: str) -> Path:
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
         alphabet = pre_tokenizers.ByteLevel.alphabet()
+    elif spec.replaced_spaces:
+        tok = Tokenizer(models.BPE(unk_token=spec.unk, byte_fallback=True, fuse_unk=True))
+        tok.normalizer = normalizers.Replace(" ", SPACE)
+        tok.pre_tokenizer = pre_tokenizers.Split(" ", "merged_with_previous")
+        tok.decoder = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])
+        alphabet = []
     else:
         tok = Tokenizer(models.BPE(unk_token=spec.unk))
         tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")

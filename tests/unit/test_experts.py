@@ -24,7 +24,7 @@ def _logits_and_grads(model, ids):
     return out.detach(), grads
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "gemma4_moe"])  # Gemma 4: experts beside a dense MLP
+@pytest.mark.parametrize("family", ["qwen3_moe", "gemma4_moe", "gpt_oss"])  # Gemma 4: beside a dense MLP
 def test_static_experts_equal_transformers_eager_experts(stand_ins, family):
     model = build_base_model(ModelSection(name_or_path=str(stand_ins[family]), dtype="float32"))
     assert model.config._experts_implementation == NAME

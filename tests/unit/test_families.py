@@ -68,6 +68,7 @@ LAYERS = {
     "gemma3_multimodal": "Gemma3DecoderLayer",  # not SiglipEncoderLayer, which _no_split_modules also names
     "gemma4": "Gemma4TextDecoderLayer",
     "gemma4_moe": "Gemma4TextDecoderLayer",
+    "gpt_oss": "GptOssDecoderLayer",
     "qwen3_moe": "Qwen3MoeDecoderLayer",
 }
 

@@ -66,7 +66,8 @@ def test_every_family_computes_the_same_logits_with_the_matmul_rotation(stand_in
     with torch.no_grad():
         reference = model(input_ids=ids).logits
         swapped = use_matmul_rotation(model)
-        assert type(base).__module__ in swapped  # every shipped family rotates halves
+        # every family rotates halves with rotate_half, but gpt-oss, which slices them in its own function
+        assert (type(base).__module__ in swapped) == (name != "gpt_oss")
         assert torch.equal(model(input_ids=ids).logits, reference)
     assert use_matmul_rotation(model) == swapped  # idempotent
 
