@@ -297,7 +297,8 @@ GEMMA4 = {
         "head_dim": 16,
         "hidden_activation": "gelu_pytorch_tanh",
         "hidden_size_per_layer_input": 16,
-        "layer_types": ["sliding_attention", "sliding_attention", "full_attention"] * 2,
+        # the last layer before the K/V-reusing ones full, the one before it sliding, as E2B has them
+        "layer_types": ["sliding_attention"] * 3 + ["full_attention", "sliding_attention", "full_attention"],
         "max_position_embeddings": 131072,
         "num_attention_heads": 4,
         "num_global_key_value_heads": None,

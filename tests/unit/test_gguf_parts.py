@@ -60,11 +60,13 @@ def test_types_and_refusals():
 def test_stored_types_follow_llama_cpps_rules():
     from gguf import GGMLQuantizationType as Q
 
-    assert stored(np.ones(64, np.float32), "q8_0")[1] == Q.F32  # norms and biases stay float32
-    data, qtype = stored(np.ones((4, 64), np.float32), "q8_0")
+    q, norm, router = "blk.0.attn_q.weight", "blk.0.attn_norm.weight", "blk.0.ffn_gate_inp.weight"
+    assert stored(norm, np.ones(64, np.float32), "q8_0")[1] == Q.F32  # norms and biases stay float32
+    data, qtype = stored(q, np.ones((4, 64), np.float32), "q8_0")
     assert qtype == Q.Q8_0 and data.dtype == np.uint8 and data.shape == (4, 2 * 34)  # 2 blocks of 32: scale + 32 int8
-    assert stored(np.ones((4, 172), np.float32), "q8_0")[1] == Q.F16  # rows off the 32-block fall back
-    assert stored(np.ones((4, 64), np.float32), "bf16")[1] == Q.BF16
+    assert stored(q, np.ones((4, 172), np.float32), "q8_0")[1] == Q.F16  # rows off the 32-block fall back
+    assert stored(q, np.ones((4, 64), np.float32), "bf16")[1] == Q.BF16
+    assert stored(router, np.ones((4, 64), np.float32), "q8_0")[1] == Q.F32  # a MoE router's exact scores
 
 
 def test_a_multimodal_wrappers_text_model_is_unwrapped():

@@ -19,7 +19,7 @@ from typing import Any
 from lowmem_tpu.errors import UserError
 from lowmem_tpu.files import checkpoint_instead, fresh_partial, holding_output, publish, write_json, write_manifest
 from lowmem_tpu.publish.gguf import llama_cpp
-from lowmem_tpu.publish.gguf.check import check_file, failure
+from lowmem_tpu.publish.gguf.check import UNREAD_BY_TRANSFORMERS, check_file, failure, transformers_reads
 from lowmem_tpu.publish.gguf.metadata import check_describable
 from lowmem_tpu.publish.gguf.writer import TYPES
 from lowmem_tpu.publish.verify import logits, prompt_ids
@@ -77,7 +77,15 @@ def export_gguf(source: Path, types: list[str], out: Path | None = None, force: 
     out = Path(out).resolve() if out else default_out(Path(source))
     check_out_dir(out, [directory], force)
     cpu_only()
-    check_describable(_model_config(directory, kind))  # refused before any weights are read
+    config = _model_config(directory, kind)
+    check_describable(config)  # refused before any weights are read
+    if not transformers_reads(config) and not llama_cpp.available():
+        text = config.get_text_config()
+        raise UserError(
+            f"a {text.model_type} GGUF file is checked by llama.cpp (transformers' GGUF reader cannot: "
+            f"{UNREAD_BY_TRANSFORMERS[text.model_type]}), which is not installed: pip install -c "
+            "constraints.txt -e '.[gguf]'"
+        )
     out.parent.mkdir(parents=True, exist_ok=True)
     if kind == "model":
         with holding_output(out, "--out"):
@@ -138,7 +146,11 @@ def _write_checked(
             path = partial / f"{name}-{qtype.upper()}.gguf"
             say(f"writing {path.name}")
             written = write_gguf(model_dir, path, qtype, tokenizer, name)
-            say(f"reading {path.name} back with transformers{' and llama.cpp' * llama_cpp.available()}")
+            readers = ["transformers"] * transformers_reads(source_config) + ["llama.cpp"] * llama_cpp.available()
+            say(f"reading {path.name} back with {' and '.join(readers)}")
+            if not transformers_reads(source_config):
+                why = UNREAD_BY_TRANSFORMERS[source_config.get_text_config().model_type]
+                written["notes"].append(f"transformers does not read this file ({why}): llama.cpp alone checked it")
             check = check_file(partial, path.name, rows, reference, tokenizer, qtype, source_config)
             files[path.name] = {"type": qtype, "bytes": path.stat().st_size, **written, "check": check}
             for reader, figures in check.items():

@@ -28,7 +28,13 @@ def load(path: Path, context: int) -> Any:
         threads = os.cpu_count()
         with _plain_cpu_buffers():
             return Llama(
-                model_path=str(path), logits_all=True, n_ctx=max(context, 16), verbose=False, n_threads=threads
+                model_path=str(path),
+                logits_all=True,
+                n_ctx=max(context, 16),
+                verbose=False,
+                n_threads=threads,
+                type_k=0,
+                type_v=0,  # GGML_TYPE_F32: a float32 KV cache
             )
     except ValueError as err:
         raise UserError(

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from lowmem_tpu.errors import UserError
+from lowmem_tpu.publish.gguf import gemma4
 from lowmem_tpu.publish.gguf.vocab import read_vocab, special_ids
 
 
@@ -38,6 +39,7 @@ FAMILIES = {
     "qwen3_moe": Family("qwen3moe"),
     "gemma2": Family("gemma2", norm_plus_one=True),
     "gemma3_text": Family("gemma3", norm_plus_one=True),
+    "gemma4_text": Family("gemma4"),  # its layers' differences: publish/gguf/gemma4.py
     "phi3": Family("phi3"),
 }
 
@@ -74,6 +76,8 @@ def _rope(text: Any) -> tuple[dict[str, Any], dict[str, Any] | None]:
 def check_describable(config: Any) -> None:
     """Everything that refuses a model, checked on its config alone (before any weights are read)."""
     family, text = family_of(config)
+    if family.arch == gemma4.ARCH:
+        return gemma4.check(text)
     rope, sliding_rope = _rope(text)
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind not in ("default", "linear") and not (kind == "llama3" and family.arch == "llama"):
@@ -117,7 +121,9 @@ def _gemma_scale(arch: str, text: Any) -> None:
 
 
 def add_hyperparameters(writer: Any, family: Any, text: Any) -> list[tuple[str, np.ndarray]]:
-    """Write the architecture's keys; returns extra tensors llama.cpp reads (Llama 3's rotary factors)."""
+    """Write the architecture's keys; returns extra tensors llama.cpp reads (rotary factors)."""
+    if family.arch == gemma4.ARCH:
+        return gemma4.add_hyperparameters(writer, text)
     dim = head_dim(text)
     writer.add_context_length(text.max_position_embeddings)
     writer.add_embedding_length(text.hidden_size)

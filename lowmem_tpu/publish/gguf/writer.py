@@ -19,9 +19,16 @@ from typing import Any
 import numpy as np
 
 from lowmem_tpu.errors import UserError
+from lowmem_tpu.publish.gguf import gemma4
 from lowmem_tpu.publish.gguf.metadata import Family, family_of
 
-SKIPPED_PREFIXES = ("model.vision_tower.", "vision_tower.", "model.multi_modal_projector.", "multi_modal_projector.")
+SKIPPED_PREFIXES = (
+    "model.vision_tower.",
+    "vision_tower.",
+    "model.multi_modal_projector.",
+    "multi_modal_projector.",
+    *gemma4.SKIPPED,
+)
 TYPES = ("f32", "f16", "bf16", "q8_0")
 
 
@@ -66,11 +73,14 @@ def gguf_tensors(directory: Path, family: Family, text: Any) -> Iterator[tuple[s
     files = weight_files(directory)
     if not files:
         raise UserError(f"{directory} holds no model weights (model.safetensors or pytorch_model.bin)")
-    for raw, tensor in _experts_stacked(read_tensors(files), getattr(text, "num_experts", 0) or 0):
+    fused = family.arch == gemma4.ARCH  # llama.cpp reads Gemma 4's gate_up stack as it is
+    experts = 0 if fused else getattr(text, "num_experts", 0) or 0
+    for raw, tensor in _experts_stacked(read_tensors(files), experts):
         name = hf_name(raw)
         if name is None or (tied and name == "lm_head.weight") or name.endswith("rotary_emb.inv_freq"):
             continue
-        mapped = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        plain = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        mapped = gemma4.tensor_name(name, names) if fused else plain
         if mapped is None:
             raise UserError(
                 f"the tensor {raw} of {directory} has no GGUF name for {family.arch}; "
@@ -130,13 +140,15 @@ def _interleave_rotary_halves(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, half, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def stored(data: np.ndarray, qtype_name: str) -> tuple[np.ndarray, Any]:
-    """``data`` as written: 1-D tensors in float32; others in the asked type (Q8_0 falls back to F16 off-block)."""
+def stored(name: str, data: np.ndarray, qtype_name: str) -> tuple[np.ndarray, Any]:
+    """``data`` as written: 1-D tensors and a MoE router (``ffn_gate_inp``: the experts a token takes turn on
+    its exact scores) in float32, as llama.cpp's converter keeps them; others in the asked type (Q8_0 falls
+    back to F16 off-block)."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
     from gguf.quants import quantize
 
     qtype = qtype_of(qtype_name)
-    if data.ndim <= 1 or qtype == GGMLQuantizationType.F32:
+    if data.ndim <= 1 or qtype == GGMLQuantizationType.F32 or name.endswith("ffn_gate_inp.weight"):
         return data.astype(np.float32), GGMLQuantizationType.F32
     if qtype == GGMLQuantizationType.Q8_0 and data.shape[-1] % GGML_QUANT_SIZES[qtype][0] != 0:
         qtype = GGMLQuantizationType.F16
@@ -166,7 +178,7 @@ def write_gguf(directory: Path, path: Path, qtype_name: str, tokenizer: Any, nam
     vocab = add_tokenizer(writer, directory, tokenizer, config, text)
     types: dict[str, int] = {}
     for name, data in [*gguf_tensors(directory, family, text), *extra]:
-        array, qtype = stored(data, qtype_name)
+        array, qtype = stored(name, data, qtype_name)
         writer.add_tensor(name, array, raw_dtype=qtype)
         types[qtype.name] = types.get(qtype.name, 0) + 1
     writer.write_header_to_file()
