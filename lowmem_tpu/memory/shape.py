@@ -7,6 +7,7 @@ from typing import Any
 
 from lowmem_tpu.config import Recipe
 from lowmem_tpu.config.features import (
+    SINKS,
     TOWERS,
     Attention,
     Experts,
@@ -81,11 +82,15 @@ def shape_of(config: Any) -> Shape:
     )
     if getattr(config, "model_type", None) in QK_NORMED:
         shape = replace(shape, other_weights=((shape.head_dim,),) * (2 * shape.layers))
+    if getattr(config, "model_type", None) in SINKS:  # a learned sink per head, every layer
+        shape = replace(shape, other_weights=shape.other_weights + ((heads,),) * shape.layers)
     experts = experts_of(config)
-    return shape if experts is None else _with_experts(shape, experts)
+    biased = getattr(config, "model_type", None) in BIASED_EXPERTS
+    return shape if experts is None else _with_experts(shape, experts, biased)
 
 
 QK_NORMED = ("qwen3", "qwen3_moe")  # a norm of head_dim weights on queries and keys in every layer
+BIASED_EXPERTS = ("gpt_oss",)  # a bias per expert and projection output, and on the router
 
 
 # A layer's stacked experts among its projections, as (out, in) of the stack seen as one matrix: what is
@@ -93,7 +98,7 @@ QK_NORMED = ("qwen3", "qwen3_moe")  # a norm of head_dim weights on queries and 
 EXPERT_STACKS = {"experts.gate_up_proj": ("gate_proj", "up_proj"), "experts.down_proj": ("down_proj",)}
 
 
-def _with_experts(shape: Shape, experts: Experts) -> Shape:
+def _with_experts(shape: Shape, experts: Experts, biased: bool = False) -> Shape:
     """A MoE decoder's layers one by one: its MoE layers' stacked experts (and routers, among the other weights)
     in place of the dense MLP, which the rest keep. A layer's MLP activations are its routed rows' (top-k
     experts wide): ``intermediate`` is their width."""
@@ -106,6 +111,8 @@ def _with_experts(shape: Shape, experts: Experts) -> Shape:
         for i in range(shape.layers)
     )
     routers = tuple((e, h) for _ in experts.layers)
+    if biased:
+        routers += tuple(shape for _ in experts.layers for shape in ((e, 2 * inner), (e, h), (e,)))
     width = max(experts.per_token * inner, shape.intermediate if len(experts.layers) < shape.layers else 0)
     return replace(
         shape, layer_linears=layers, other_weights=shape.other_weights + routers, intermediate=width, experts=experts

@@ -59,16 +59,19 @@ def test_each_family_reads_back_in_transformers_and_llama_cpp(family, tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "a partial directory was left"
 
 
-@pytest.mark.parametrize("family", ["gemma4", "gemma4_moe"])
-def test_gemma4_reads_back_in_llama_cpp(family, tmp_path):
-    """E2B's layout (layers of two kinds, K/V reused, per-layer embeddings) and 26B-A4B's (experts beside the
-    dense MLP, K = V): the tensors as llama.cpp's converter writes them, llama.cpp's logits and token ids the
-    model's. transformers' GGUF reader cannot build a model from the per-layer arrays: the report says so."""
-    report = export_gguf(make_family(tmp_path / family, family), ["f32"], tmp_path / "out")
-    assert_read_back(report, ("f32",), readers=("llama.cpp",))
-    [entry] = report["files"].values()
-    assert entry["architecture"] == "gemma4" and "llama.cpp alone checked it" in " ".join(entry["notes"])
-    assert entry["check"]["llama.cpp"]["chat_token_ids"] == "same"
+@pytest.mark.parametrize(
+    ("family", "types"), [("gemma4", ("f32",)), ("gemma4_moe", ("f32",)), ("gpt_oss", ("f32", "q8_0"))]
+)
+def test_families_transformers_cannot_read_back_are_checked_by_llama_cpp(family, types, tmp_path):
+    """Gemma 4 E2B's layout (layers of two kinds, K/V reused, per-layer embeddings) and 26B-A4B's (experts
+    beside the dense MLP, K = V); gpt-oss from the Hub's MXFP4 checkpoint (sinks, biased experts split from
+    their interleaved stack, yarn): the tensors as llama.cpp's converter writes them, llama.cpp's logits and
+    token ids the model's. transformers' GGUF reader cannot build these models: the report says so."""
+    report = export_gguf(make_family(tmp_path / family, family), list(types), tmp_path / "out")
+    assert_read_back(report, types, readers=("llama.cpp",))
+    for entry in report["files"].values():
+        assert "llama.cpp alone checked it" in " ".join(entry["notes"])
+        assert entry["check"]["llama.cpp"]["chat_token_ids"] == "same"
 
 
 def test_open_llama_shaped_sentencepiece_directory(tmp_path):

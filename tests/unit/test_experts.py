@@ -78,15 +78,16 @@ def test_lora_adapts_the_experts_in_pefts_layout_and_trains_as_with_eager_expert
 
 @pytest.mark.parametrize("lora", [False, True])
 def test_the_planner_counts_every_expert_and_moe_flops_count_the_active_ones(stand_ins, lora):
-    """The planner's parameters equal the meta model's (adapters included), for the stand-in and Qwen3-30B-A3B
-    (30.5 B, 3.3 B of them active per token); the MFU's FLOPs count the active experts only."""
+    """The planner's parameters equal the meta model's (adapters included), for the stand-ins, gpt-oss-20b and
+    Qwen3-30B-A3B (30.5 B, 3.3 B of them active per token); the MFU's FLOPs count the active experts only."""
     from lowmem_tpu.config import load_recipe
     from lowmem_tpu.memory.plan import parameters
     from lowmem_tpu.memory.shape import setting_of, shape_of
     from lowmem_tpu.model import apply_lora, count_parameters, flops_per_token
     from lowmem_tpu.model.build import load_config, meta_model, require_config
 
-    for name in (str(stand_ins["qwen3_moe"]), "Qwen/Qwen3-30B-A3B"):
+    # gpt-oss's expert and router biases and attention sinks counted too
+    for name in (str(stand_ins["gpt_oss"]), "openai/gpt-oss-20b", str(stand_ins["qwen3_moe"]), "Qwen/Qwen3-30B-A3B"):
         recipe = load_recipe(None, [f"model.name_or_path={name}", f"lora.enabled={str(lora).lower()}"])
         config = require_config(recipe)
         model = apply_lora(meta_model(load_config(recipe.model, offline=True), recipe.model), recipe, weightless=True)
@@ -129,3 +130,28 @@ def test_packed_rows_with_eager_attention_are_refused_for_the_load_balancing_los
     with pytest.raises(UserError, match=r"load-balancing loss reads the mask as \[batch, length\].*chunked"):
         check_model(load_recipe(None, [*base, "model.attn_implementation=eager"]))
     check_model(load_recipe(None, [*base, "model.attn_implementation=chunked"]))
+
+
+def test_gpt_oss_sinks_refuse_flash_and_sdpa_and_other_quantized_checkpoints_are_named(stand_ins, tmp_path):
+    """Chunked computes the attention sinks (e2e/test_family_attention.py); flash and sdpa have none. The Hub's
+    MXFP4 experts are read (unit/test_families.py: from_pretrained equality); another quantized format is
+    refused by name rather than reported as missing weights."""
+    import json
+    import shutil
+
+    from lowmem_tpu.config import load_recipe
+    from lowmem_tpu.model.architecture import check_model
+    from lowmem_tpu.model.build import load_config
+
+    name = f"model.name_or_path={stand_ins['gpt_oss']}"
+    with pytest.raises(UserError, match=r"sdpa has no attention sinks, which gpt_oss defines; use chunked"):
+        check_model(load_recipe(None, [name, "model.attn_implementation=sdpa"]))
+    with pytest.raises(UserError, match=r"flash .* has no .*attention sinks, which gpt_oss defines"):
+        check_model(load_recipe(None, [name, "model.attn_implementation=flash", "data.max_length=128"]))
+    check_model(load_recipe(None, [name, "model.attn_implementation=chunked"]))
+    gptq = tmp_path / "gptq"
+    shutil.copytree(stand_ins["gpt_oss"], gptq)
+    config = json.loads((gptq / "config.json").read_text())
+    (gptq / "config.json").write_text(json.dumps(config | {"quantization_config": {"quant_method": "gptq"}}))
+    with pytest.raises(UserError, match=r"stored quantized \(gptq\).*model.quantize"):
+        load_config(ModelSection(name_or_path=str(gptq)))

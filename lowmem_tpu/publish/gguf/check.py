@@ -56,9 +56,12 @@ def check_file(
     return readers
 
 
-# Architectures transformers' GGUF reader cannot build a model from: Gemma 4's per-layer arrays (KV heads,
-# MLP widths) fail its config's validation. llama.cpp alone checks those files.
-UNREAD_BY_TRANSFORMERS = {"gemma4_text": "its GGUF reader takes no per-layer arrays (KV heads, MLP widths)"}
+# Architectures transformers' GGUF reader cannot build a model from (Gemma 4's per-layer arrays fail its
+# config's validation; gpt-oss's experts are not where it looks): llama.cpp alone checks those files.
+UNREAD_BY_TRANSFORMERS = {
+    "gemma4_text": "its GGUF reader takes no per-layer arrays (KV heads, MLP widths)",
+    "gpt_oss": "its GGUF reader looks for per-expert tensors under other names than llama.cpp's",
+}
 
 
 def transformers_reads(config: Any) -> bool:

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from lowmem_tpu.errors import UserError
-from lowmem_tpu.publish.gguf import gemma4
+from lowmem_tpu.publish.gguf import gemma4, gpt_oss
 from lowmem_tpu.publish.gguf.vocab import read_vocab, special_ids
 
 
@@ -40,6 +40,7 @@ FAMILIES = {
     "gemma2": Family("gemma2", norm_plus_one=True),
     "gemma3_text": Family("gemma3", norm_plus_one=True),
     "gemma4_text": Family("gemma4"),  # its layers' differences: publish/gguf/gemma4.py
+    "gpt_oss": Family("gpt-oss"),  # its experts and keys: publish/gguf/gpt_oss.py
     "phi3": Family("phi3"),
 }
 
@@ -78,6 +79,8 @@ def check_describable(config: Any) -> None:
     family, text = family_of(config)
     if family.arch == gemma4.ARCH:
         return gemma4.check(text)
+    if family.arch == gpt_oss.ARCH:
+        return gpt_oss.check(text)
     rope, sliding_rope = _rope(text)
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind not in ("default", "linear") and not (kind == "llama3" and family.arch == "llama"):
@@ -124,6 +127,9 @@ def add_hyperparameters(writer: Any, family: Any, text: Any) -> list[tuple[str, 
     """Write the architecture's keys; returns extra tensors llama.cpp reads (rotary factors)."""
     if family.arch == gemma4.ARCH:
         return gemma4.add_hyperparameters(writer, text)
+    if family.arch == gpt_oss.ARCH:
+        gpt_oss.add_hyperparameters(writer, text)
+        return []
     dim = head_dim(text)
     writer.add_context_length(text.max_position_embeddings)
     writer.add_embedding_length(text.hidden_size)

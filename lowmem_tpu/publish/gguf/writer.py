@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from lowmem_tpu.errors import UserError
-from lowmem_tpu.publish.gguf import gemma4
+from lowmem_tpu.publish.gguf import gemma4, gpt_oss
 from lowmem_tpu.publish.gguf.metadata import Family, family_of
 
 SKIPPED_PREFIXES = (
@@ -66,6 +66,7 @@ def gguf_tensors(directory: Path, family: Family, text: Any) -> Iterator[tuple[s
     import gguf
 
     from lowmem_tpu.model.build import read_tensors, weight_files
+    from lowmem_tpu.model.mxfp4 import dequantized
 
     arch = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == family.arch)
     names = gguf.get_tensor_name_map(arch, text.num_hidden_layers)
@@ -75,7 +76,10 @@ def gguf_tensors(directory: Path, family: Family, text: Any) -> Iterator[tuple[s
         raise UserError(f"{directory} holds no model weights (model.safetensors or pytorch_model.bin)")
     fused = family.arch == gemma4.ARCH  # llama.cpp reads Gemma 4's gate_up stack as it is
     experts = 0 if fused else getattr(text, "num_experts", 0) or 0
-    for raw, tensor in _experts_stacked(read_tensors(files), experts):
+    tensors = dequantized(read_tensors(files))  # the Hub's MXFP4 experts (gpt-oss) as the model holds them
+    if family.arch == gpt_oss.ARCH:
+        tensors, experts = gpt_oss.experts_split(tensors), 0
+    for raw, tensor in _experts_stacked(tensors, experts):
         name = hf_name(raw)
         if name is None or (tied and name == "lm_head.weight") or name.endswith("rotary_emb.inv_freq"):
             continue
@@ -141,14 +145,15 @@ def _interleave_rotary_halves(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def stored(name: str, data: np.ndarray, qtype_name: str) -> tuple[np.ndarray, Any]:
-    """``data`` as written: 1-D tensors and a MoE router (``ffn_gate_inp``: the experts a token takes turn on
-    its exact scores) in float32, as llama.cpp's converter keeps them; others in the asked type (Q8_0 falls
-    back to F16 off-block)."""
+    """``data`` as written: 1-D tensors, biases and a MoE router (``ffn_gate_inp``: the experts a token takes
+    turn on its exact scores) in float32, as llama.cpp's converter keeps them (its kernels add only float32
+    biases); others in the asked type (Q8_0 falls back to F16 off-block)."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
     from gguf.quants import quantize
 
     qtype = qtype_of(qtype_name)
-    if data.ndim <= 1 or qtype == GGMLQuantizationType.F32 or name.endswith("ffn_gate_inp.weight"):
+    exact = name.endswith(("ffn_gate_inp.weight", ".bias"))  # gpt-oss's experts' biases are 2-D
+    if data.ndim <= 1 or qtype == GGMLQuantizationType.F32 or exact:
         return data.astype(np.float32), GGMLQuantizationType.F32
     if qtype == GGMLQuantizationType.Q8_0 and data.shape[-1] % GGML_QUANT_SIZES[qtype][0] != 0:
         qtype = GGMLQuantizationType.F16
