@@ -88,6 +88,25 @@ def assistant_turns(tokenizer: Any, messages: list[dict[str, Any]], whole: str, 
     return [locate(tokenizer, messages, whole, i, where) for i in indices]
 
 
+HARMONY_FINAL = "<|channel|>final<|message|>"  # gpt-oss: what follows is the reply a user reads
+
+
+def visible(tokenizer: Any, text: str) -> str:
+    """A reply's text as a user reads it: of a harmony reply (gpt-oss: analysis, then the final channel) the
+    final channel's, and no special token."""
+    text = text.rsplit(HARMONY_FINAL, 1)[-1]
+    for token in (t.content for t in tokenizer.added_tokens_decoder.values() if t.special):
+        text = text.replace(token, "")
+    return text
+
+
+def reply_text(tokenizer: Any, ids: list[int]) -> str:
+    """Generated ids as the reply's text (``visible``); without harmony's channels, as decoding skips the
+    special tokens."""
+    text = tokenizer.decode(ids, skip_special_tokens=False)
+    return visible(tokenizer, text) if HARMONY_FINAL in text else tokenizer.decode(ids, skip_special_tokens=True)
+
+
 @functools.lru_cache(maxsize=16)
 def bos_ids(tokenizer: Any) -> tuple[int, ...]:
     """The BOS the tokenizer itself puts before a text (Llama, Gemma, Mistral), or nothing (Qwen, Phi-3)."""

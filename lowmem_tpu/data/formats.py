@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import lowmem_tpu.data.fields as fields
 from lowmem_tpu.config import DataSection
-from lowmem_tpu.data.chat import assistant_turns, bos_ids, common_prefix, locate, render, served
+from lowmem_tpu.data.chat import assistant_turns, bos_ids, common_prefix, locate, render, served, visible
 from lowmem_tpu.data.fields import CHAT_LIKE, require_columns
 from lowmem_tpu.data.sources import DataError
 
@@ -247,20 +247,12 @@ def _rendered_answer(
 ) -> tuple[list[int], str]:
     """The prompt with the generation prompt -> what the template writes after it up to the end of the last
     message's content (an empty think block included where the template writes one, as training saw it),
-    without special tokens, as a reply is decoded (gpt-oss's ``<|channel|>final<|message|>`` leaves
-    ``final``)."""
+    as a reply is read (``chat.visible``: gpt-oss's final channel, no special token)."""
     text = render(tokenizer, prompt, True, where)
     whole = served(tokenizer, prompt, conversation[len(prompt) :], where)
     turn = locate(tokenizer, conversation, whole, len(conversation) - 1, where)
-    answer = _visible(tokenizer, whole[turn.start : turn.content_end])
+    answer = visible(tokenizer, whole[turn.start : turn.content_end])
     return led_by_bos(tokenizer, _tokenize(tokenizer, [text])[0]), answer
-
-
-def _visible(tokenizer: Any, text: str) -> str:
-    """``text`` without the tokenizer's special tokens (what ``decode(skip_special_tokens=True)`` leaves)."""
-    for token in (t.content for t in tokenizer.added_tokens_decoder.values() if t.special):
-        text = text.replace(token, "")
-    return text
 
 
 # --------------------------------------------------------------------------- prompts for generation

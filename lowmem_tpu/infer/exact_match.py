@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from lowmem_tpu.data.chat import Ending
+from lowmem_tpu.data.chat import Ending, reply_text
 from lowmem_tpu.infer.decode import greedy_rows
 
 
@@ -44,7 +44,7 @@ def greedy_exact_match(
             chunk = prompts[start : start + batch_size]
             rows = [ids for ids, _ in chunk]
             ids = greedy_rows(model, rows, tokenizer.pad_token_id, length, max_new_tokens, batch_size, device, sync)
-            completions += [ending.clean(tokenizer.decode(ending.cut(row), skip_special_tokens=True)) for row in ids]
+            completions += [ending.clean(reply_text(tokenizer, ending.cut(row))) for row in ids]
     finally:
         model.train(was_training)
     correct = [c.strip() == answer.strip() for c, (_, answer) in zip(completions, prompts, strict=True)]

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lowmem_tpu.data.chat import reply_text
 from lowmem_tpu.errors import UserError
 from lowmem_tpu.infer.decode import Decoder, Generation
 
@@ -97,7 +98,7 @@ class Session:
         room = self.decoder.positions - len(ids)
         new = o.max_new_tokens or (min(DEFAULT_NEW_TOKENS, room) if room > 0 else DEFAULT_NEW_TOKENS)
         result = self.decoder.generate(ids, new, temperature=o.temperature, top_p=o.top_p, seed=o.seed)
-        return self.ending.clean(self.trained.tokenizer.decode(result.ids, skip_special_tokens=True)), result
+        return self.ending.clean(reply_text(self.trained.tokenizer, result.ids)), result
 
     def complete(self, prompt: str) -> tuple[str, Generation]:
         """The completion of one prompt (no history)."""

@@ -16,7 +16,7 @@ from open_llama_like import build
 
 from lowmem_tpu.config import DataSection, ModelSection
 from lowmem_tpu.data import IGNORE_INDEX, build_dataset, exact_match_prompts, set_chat_template
-from lowmem_tpu.data.chat import ending
+from lowmem_tpu.data.chat import ending, reply_text
 from lowmem_tpu.model import load_tokenizer, save_tokenizer
 
 NAMES = tuple(END_OF_TURN)
@@ -110,7 +110,7 @@ def test_exact_match_expects_what_training_taught(family):
     name, tokenizer, data = family
     [(ids, answer)] = exact_match_prompts(DataSection(path=str(data), format="chat"), tokenizer, str(data), 1)
     expected = {"qwen3": "<think>\n\n</think>\n\nlemon", "qwen3_moe": "<think>\n\n</think>\n\nlemon"}
-    assert answer.strip() == expected.get(name, "finallemon" if name == "gpt_oss" else "lemon")  # as decoded
+    assert answer.strip() == expected.get(name, "lemon")  # as a reply is read (gpt-oss: its final channel)
     rows, _ = build_dataset(DataSection(path=str(data), format="chat", max_length=128), tokenizer)
     assert rows[0]["input_ids"][: len(ids)] == ids  # the prompt is the trained row's own beginning
 
@@ -162,3 +162,15 @@ def test_qwen3_turns_equal_transformers_generation_mask(tmp_path):
     assert [label != IGNORE_INDEX for label in rows[0]["labels"][:real]] == [
         bool(m) for m in reference["assistant_masks"]
     ]
+
+
+def test_a_reply_reads_as_its_final_channel_where_the_template_has_channels(family):
+    """gpt-oss replies in harmony: its analysis, then the final channel, which is the reply; elsewhere a reply
+    is its text without special tokens."""
+    name, tokenizer, _ = family
+    if name == "gpt_oss":
+        said = "<|channel|>analysis<|message|>think<|end|><|start|>assistant<|channel|>final<|message|>lemon"
+    else:
+        said = "lemon" + END_OF_TURN[name]
+    ids = tokenizer(said, add_special_tokens=False)["input_ids"]
+    assert reply_text(tokenizer, ids).strip() == "lemon"
