@@ -4,8 +4,9 @@
                                       [--json PATH] [--work DIR] [--keep]
     python benchmarks/fault_matrix.py --json benchmarks/results/fault_matrix.json   # the record docs/faults.md cites
 
-The runs and checks are ``tests/helpers/fault_matrix.py``'s (``tests/e2e/test_faults.py`` runs a subset of them).
-For each mode (LoRA; full fine-tuning with ``lora.enabled=false``) the tiny CPU recipe runs once
+The runs and checks are ``tests/helpers/fault_matrix.py``'s (``tests/e2e/test_faults.py`` runs a LoRA subset of
+them). For each mode (LoRA; full fine-tuning with ``lora.enabled=false``; with ``--modes dpo``, LoRA DPO,
+whose command is ``lowmem-tpu dpo recipes/tiny_dpo_cpu.yaml``) the tiny CPU recipe runs once
 uninterrupted (``lowmem-tpu sft recipes/tiny_lora_cpu.yaml`` with the overrides in ``RUN``: 6 steps, a
 checkpoint every 2, two kept, dropout on, two micro-batches per step). Then, for each case, the same command
 runs with ``LOWMEM_TPU_KILL_AT=CASE`` (``lowmem_tpu.faults``: the process SIGKILLs itself at that point, the
@@ -34,7 +35,7 @@ from fault_matrix import CASES, MODES, QUICK, RECIPE, RUN, reference, run_case, 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a subset: " + json.dumps(QUICK))
-    parser.add_argument("--modes", default="lora,full", help="lora, full or both (default)")
+    parser.add_argument("--modes", default="lora,full", help="lora, full and/or dpo (default: lora,full)")
     parser.add_argument("--cases", default="", help="comma-separated cases (default: all of CASES)")
     parser.add_argument("--json", type=Path, help="write the results here as JSON")
     parser.add_argument("--work", type=Path, default=ROOT / "outputs" / "fault_matrix", help="run directories")

@@ -131,6 +131,7 @@ def test_a_dpo_run_starts_at_ln_2_and_compiles_nothing_after_warm_up(tmp_path):
     assert any("eval_rewards/accuracies" in line for line in logged)
     assert (out / "final" / "adapter_model.safetensors").is_file()
     assert "pref acc" in done.stdout and "margin" in done.stdout
+    assert "reference log-probabilities" not in done.stdout  # LoRA's reference: the base, adapters switched off
     # Published as any run (merged as any adapter): the card says DPO
     from lowmem_tpu.publish.card import model_card
 

@@ -69,17 +69,22 @@ def test_a_damaged_checkpoint_is_passed_over_for_the_one_before_and_none_left_ex
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-2", "step-4"]  # nothing deleted
 
 
-def test_the_evaluation_at_resume_scores_the_restored_model(four_steps, tmp_path):
-    """It equals the evaluation the first run made of the same weights at its end (not the untrained model's)."""
+def test_the_evaluation_at_resume_scores_the_restored_model_and_max_wall_time_stops_it(four_steps, tmp_path):
+    """It equals the evaluation the first run made of the same weights at its end (not the untrained model's).
+
+    The resumed run also sets ``train.max_wall_time`` (a resume may change it): its deadline, with the guard's
+    margin, has passed at the first step's end, so the run saves step-5 and stops cleanly (exit 0)."""
     first = four_steps[1]
     ended = re.search(r"eval after training: loss ([0-9.]+)", first)
     out = _copy(four_steps, tmp_path)
-    resumed = run(out, *FOUR, "train.max_steps=6")
+    resumed = run(out, *FOUR, "train.max_steps=6", "train.max_wall_time=5s")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     restored = re.search(r"eval at resume \(step-4\): loss ([0-9.]+)", resumed.stdout)
     assert ended and restored and restored.group(1) == ended.group(1), resumed.stdout[-2000:]
     before = re.search(r"eval before training: loss ([0-9.]+)", first)
     assert before and before.group(1) != restored.group(1)
+    # step-5, not any checkpoint: the copy already holds step-4; step-5 is the one the stop saved
+    assert "(max_wall_time)" in resumed.stdout and (out / "checkpoints" / "step-5" / "COMPLETE").exists()
 
 
 @pytest.fixture
@@ -130,14 +135,6 @@ def test_a_disk_that_fills_during_the_run_stops_it_at_the_save_with_the_last_che
     resumed = run(out, ONE)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resuming from {out / 'checkpoints' / 'step-2'}" in resumed.stdout
-
-
-def test_max_wall_time_saves_and_stops_cleanly(tmp_path):
-    out = tmp_path / "run"
-    proc = run(out, ONE, "train.max_wall_time=5s")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "(max_wall_time)" in proc.stdout
-    assert any((p / "COMPLETE").exists() for p in (out / "checkpoints").iterdir())
 
 
 def test_bad_data_fails_before_loading_and_leaves_output_intact(tmp_path):
