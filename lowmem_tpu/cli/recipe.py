@@ -166,6 +166,7 @@ FAMILIES = {
     "gemma2": "Gemma 2",
     "gemma3_text": "Gemma 3",
     "gemma4_text": "Gemma 4",
+    "gpt_oss": "gpt-oss",
     "mistral": "Mistral",
     "phi3": "Phi-3 / Phi-4",
 }
