@@ -1,5 +1,5 @@
-"""A mixture-of-experts model (Qwen 3 MoE's layout shrunk: ``families.py``) through a real run on 4 XLA
-devices: LoRA on its experts trains with a fixed set of programs and no operation left to the host, the
+"""Mixture-of-experts models (Qwen 3 MoE's and gpt-oss's layouts shrunk: ``families.py``) through a real run
+on 4 XLA devices: LoRA on its experts trains with a fixed set of programs and no operation left to the host, the
 merge passes its check and transformers loads the result; and activation checkpointing keeps every
 gradient of full fine-tuning (the static experts against transformers' own: unit/test_experts.py)."""
 
@@ -16,18 +16,20 @@ from lowmem_tpu.config import ModelSection, RuntimeSection, ShardingSection
 from lowmem_tpu.model import build_base_model
 
 
-def test_lora_on_the_experts_trains_on_xla_and_merges(stand_ins, tmp_path):
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])  # gpt-oss: MXFP4 experts read, sinks, biases
+def test_lora_on_the_experts_trains_on_xla_and_merges(stand_ins, tmp_path, family):
     out, merged = tmp_path / "run", tmp_path / "merged"
     run = command_cli(
         "sft",
         "recipes/tiny_lora_cpu.yaml",
-        f"model.name_or_path={stand_ins['qwen3_moe']}",
+        f"model.name_or_path={stand_ins[family]}",
         "model.random_init=false",
         f"output_dir={out}",
         "model.attn_implementation=chunked",
         "sharding.activation_checkpointing=every_2",
         "train.max_steps=4",
         "data.max_samples=512",
+        f"data.max_length={48 if family == 'gpt_oss' else 24}",  # harmony's system message
     )
     assert run.returncode == 0, run.stderr[-3000:]
     metrics = json.loads((out / "final" / "metrics.json").read_text())
@@ -35,10 +37,11 @@ def test_lora_on_the_experts_trains_on_xla_and_merges(stand_ins, tmp_path):
     assert metrics["eval"]["after"]["loss"] < metrics["eval"]["before"]["loss"]
     adapter = json.loads((out / "final" / "adapter_config.json").read_text())
     assert set(adapter["target_parameters"]) == {"mlp.experts.gate_up_proj", "mlp.experts.down_proj"}
-    merge = command_cli("merge", str(out / "final"), "--out", str(merged), "--dtype", "float32")
-    assert merge.returncode == 0 and "logits match" in merge.stdout, merge.stderr[-3000:]
-    base = AutoModelForCausalLM.from_pretrained(stand_ins["qwen3_moe"], dtype=torch.float32).state_dict()
-    loaded = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).state_dict()
+    for dtype in ("float32", "bfloat16"):  # bf16: the merge check upcasts PEFT's wrapped stacks too
+        merge = command_cli("merge", str(out / "final"), "--out", str(merged / dtype), "--dtype", dtype)
+        assert merge.returncode == 0 and "logits match" in merge.stdout, merge.stderr[-3000:]
+    base = AutoModelForCausalLM.from_pretrained(stand_ins[family], dtype=torch.float32).state_dict()
+    loaded = AutoModelForCausalLM.from_pretrained(merged / "float32", dtype=torch.float32).state_dict()
     changed = {name for name in base if not torch.equal(base[name], loaded[name])}
     assert changed and all(".experts." in n or "self_attn" in n for n in changed)
     assert any(".experts.down_proj" in n for n in changed)
