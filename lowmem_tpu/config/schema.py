@@ -209,6 +209,12 @@ class TrainSection(Section):
         description="Cross-entropy over blocks of at most 256 positions, recomputed in backward: never the whole "
         "[tokens, vocab] fp32 logits (saves ~12 bytes x tokens x vocab per device), ~1.1x the step time on the CPU.",
     )
+    router_aux_loss_coef: float | None = Field(
+        None,
+        ge=0,
+        description="A MoE model's load-balancing loss, added to the logged and trained loss at this weight (TRL's "
+        "field; default: the model's own, gpt-oss 0.9, Qwen 3 MoE 0.001; 0 turns it off).",
+    )
     max_new_tokens: int = Field(16, gt=0, description="Generation length for the exact-match evaluation.")
     seed: int = Field(42, description="Seed for initialisation, data order and dropout.")
     save_steps: int | None = Field(

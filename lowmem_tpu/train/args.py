@@ -18,6 +18,7 @@ def training_args(recipe: Recipe, micro_batch: int) -> SFTConfig:
     """SFTConfig for the XLA FSDPv2 path (checkpointing, wrapping and the loss are ours)."""
     return SFTConfig(
         **_shared(recipe, micro_batch),
+        router_aux_loss_coef=recipe.train.router_aux_loss_coef,
         dataset_kwargs={"skip_prepare_dataset": True},
         max_length=recipe.data.max_length,
         packing=False,
