@@ -213,7 +213,7 @@ class TrainSection(Section):
         None,
         ge=0,
         description="A MoE model's load-balancing loss, added to the logged and trained loss at this weight (TRL's "
-        "field; default: the model's own, gpt-oss 0.9, Qwen 3 MoE 0.001; 0 turns it off).",
+        "field; default: the config's router_aux_loss_coef, high for gpt-oss; 0 turns it off).",
     )
     max_new_tokens: int = Field(16, gt=0, description="Generation length for the exact-match evaluation.")
     seed: int = Field(42, description="Seed for initialisation, data order and dropout.")
