@@ -40,10 +40,16 @@ def shipped_config_path(name_or_path: str) -> Path | None:
 
 
 def load_config(cfg: ModelSection, offline: bool = False) -> Any:
-    """The model's config: local or built-in directory, shipped copy, or the Hub.
+    """The model's config: local or built-in directory, shipped copy, or the Hub, as the loader builds it
+    (``mxfp4.readable_config``: a checkpoint's MXFP4 quantization dropped, another quantization refused).
 
     With ``offline`` only local files are read and ``None`` is returned when none exist.
     """
+    config = _stored_config(cfg, offline)
+    return None if config is None else readable_config(config, resolve_source(cfg.name_or_path))
+
+
+def _stored_config(cfg: ModelSection, offline: bool) -> Any:
     from transformers import AutoConfig
 
     source = resolve_source(cfg.name_or_path)
@@ -55,7 +61,7 @@ def load_config(cfg: ModelSection, offline: bool = False) -> Any:
                 "(config.json and its weights, as save_pretrained writes them)"
             )
         try:
-            return readable_config(AutoConfig.from_pretrained(directory), source)
+            return AutoConfig.from_pretrained(directory)
         except (OSError, ValueError) as err:
             raise UserError(f"model.name_or_path: cannot read {directory / 'config.json'}: {err}") from None
     shipped = shipped_config_path(source)
@@ -67,7 +73,7 @@ def load_config(cfg: ModelSection, offline: bool = False) -> Any:
         except OSError:
             return None
     try:
-        return readable_config(AutoConfig.from_pretrained(source, revision=cfg.revision), source)
+        return AutoConfig.from_pretrained(source, revision=cfg.revision)
     except OSError as err:
         raise UserError(f"model.name_or_path: cannot load the config of {source!r}: {err}") from None
 

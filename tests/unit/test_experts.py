@@ -155,3 +155,7 @@ def test_gpt_oss_sinks_refuse_flash_and_sdpa_and_other_quantized_checkpoints_are
     (gptq / "config.json").write_text(json.dumps(config | {"quantization_config": {"quant_method": "gptq"}}))
     with pytest.raises(UserError, match=r"stored quantized \(gptq\).*model.quantize"):
         load_config(ModelSection(name_or_path=str(gptq)))
+    # the shipped config too (random_init, planning): a model built from it saves unquantized
+    assert not hasattr(
+        load_config(ModelSection(name_or_path="openai/gpt-oss-20b"), offline=True), "quantization_config"
+    )

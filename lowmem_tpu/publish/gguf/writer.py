@@ -83,8 +83,7 @@ def gguf_tensors(directory: Path, family: Family, text: Any) -> Iterator[tuple[s
         name = hf_name(raw)
         if name is None or (tied and name == "lm_head.weight") or name.endswith("rotary_emb.inv_freq"):
             continue
-        plain = names.get_name(name, try_suffixes=(".weight", ".bias"))
-        mapped = gemma4.tensor_name(name, names) if fused else plain
+        mapped = gemma4.tensor_name(name, names) if fused else names.get_name(name, try_suffixes=(".weight", ".bias"))
         if mapped is None:
             raise UserError(
                 f"the tensor {raw} of {directory} has no GGUF name for {family.arch}; "
